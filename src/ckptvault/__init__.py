@@ -1,0 +1,39 @@
+"""ckptvault: crash-safe, content-addressed, compressed checkpoints for PyTorch training.
+
+Quick start::
+
+    import ckptvault
+    with ckptvault.CheckpointManager("./ckpts") as mgr:
+        mgr.save(step, {"model": model.state_dict(), "optimizer": opt.state_dict()})
+        state = mgr.restore()
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+from . import errors  # noqa: E402
+from .handle import SaveHandle  # noqa: E402
+from .info import CheckpointInfo, TensorInfo  # noqa: E402
+from .manager import CheckpointManager  # noqa: E402
+
+__all__ = ["CheckpointInfo", "CheckpointManager", "SaveHandle", "TensorInfo", "__version__", "errors", "load", "save"]
+
+
+def save(state, url, step: int, **kwargs):  # type: ignore[no-untyped-def]
+    """Save ``state`` as ``step`` into the vault at ``url`` and wait until committed.
+
+    Keyword arguments are those of :meth:`CheckpointManager.save`, plus the
+    manager's own (``codec``, ``codec_rules``, ``chunk_size``, ``storage_options``).
+    """
+    manager_kwargs = {k: kwargs.pop(k) for k in ("codec", "codec_rules", "chunk_size", "storage_options", "workers")
+                      if k in kwargs}
+    with CheckpointManager(url, **manager_kwargs) as mgr:
+        return mgr.save(step, state, **kwargs).wait()
+
+
+def load(url, step: int | None = None, **kwargs):  # type: ignore[no-untyped-def]
+    """Restore ``step`` (default: latest) from the vault at ``url``; see :meth:`CheckpointManager.restore`."""
+    manager_kwargs = {k: kwargs.pop(k) for k in ("storage_options", "workers") if k in kwargs}
+    with CheckpointManager(url, **manager_kwargs) as mgr:
+        return mgr.restore(step, **kwargs)

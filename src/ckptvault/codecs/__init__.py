@@ -1,0 +1,68 @@
+"""Lossless codec chains and the named settings users pick them by.
+
+Named codecs (per vault, overridable per tensor by key-path rules):
+
+=========  ====================================================
+``zstd``   byte shuffle by element size, then zstd level 1 (default)
+``lz4``    byte shuffle, then LZ4 (faster, compresses less)
+``none``   stored raw; ``fast`` is an alias, for fast local disks
+=========  ====================================================
+
+``zstd-N`` picks zstd level N. Whatever the name, a chunk that does not shrink
+is stored raw, so no chunk grows by more than its small header.
+"""
+
+from __future__ import annotations
+
+import re
+
+from ..errors import InvalidArgumentError
+from .base import BytesStage, Spec, stage_from_spec
+from .lz4 import Lz4
+from .shuffle import Shuffle
+from .zstd import Zstd
+
+__all__ = ["CODEC_NAMES", "BytesStage", "Spec", "chain_for", "decode_chain", "encode_chain", "stage_from_spec"]
+
+CODEC_NAMES = ("zstd", "lz4", "none", "fast")
+DEFAULT_CODEC = "zstd"
+
+
+def validate_codec_name(name: str) -> str:
+    """Return ``name`` if it names a codec, else raise InvalidArgumentError."""
+    if name in CODEC_NAMES or re.fullmatch(r"zstd-(\d{1,2})", name):
+        if name.startswith("zstd-") and not 1 <= int(name[5:]) <= 22:
+            raise InvalidArgumentError(f"zstd level must be 1..22, got {name!r}")
+        return name
+    raise InvalidArgumentError(f"unknown codec {name!r}; choose one of {', '.join(CODEC_NAMES)} or zstd-N (N=1..22)")
+
+
+def chain_for(name: str, itemsize: int) -> list[BytesStage]:
+    """The stages of codec ``name`` for data whose elements are ``itemsize`` bytes."""
+    name = validate_codec_name(name)
+    if name in ("none", "fast"):
+        return []
+    shuffle: list[BytesStage] = [Shuffle(itemsize)] if itemsize > 1 else []
+    if name == "lz4":
+        return [*shuffle, Lz4()]
+    level = int(name[5:]) if name.startswith("zstd-") else 1
+    return [*shuffle, Zstd(level)]
+
+
+def encode_chain(raw: memoryview, stages: list[BytesStage]) -> tuple[list[Spec], bytes | memoryview]:
+    """Run ``stages`` over ``raw``; fall back to no stages if the result is not smaller."""
+    data: bytes | memoryview = raw
+    for stage in stages:
+        data = stage.encode(memoryview(data))
+    if stages and len(data) < len(raw):
+        return [s.spec() for s in stages], data
+    return [], raw
+
+
+def decode_chain(payload: memoryview, specs: list[Spec], raw_size: int) -> bytes | memoryview:
+    """Invert :func:`encode_chain`. Sizes of intermediate stages equal ``raw_size``
+    (shuffle preserves length), so every decoder is bounded by it."""
+    data: bytes | memoryview = payload
+    for spec in reversed(specs):
+        data = stage_from_spec(spec).decode(memoryview(data), raw_size)
+    return data

@@ -1,0 +1,129 @@
+"""Typed exceptions raised by ckptvault.
+
+Every exception derives from :class:`VaultError`. Where a builtin exception has
+the same meaning, the subclass inherits it too, so ``except FileNotFoundError``
+keeps working for callers who do not know ckptvault.
+
+Storage errors are split into :class:`RetryableStorageError` (a transient
+fault: retrying the same call may succeed) and :class:`PermanentStorageError`
+(retrying cannot help: fix the configuration or free space first).
+"""
+
+from __future__ import annotations
+
+
+class VaultError(Exception):
+    """Base class of every error ckptvault raises on purpose."""
+
+
+class VaultNotFoundError(VaultError, FileNotFoundError):
+    """The URL does not hold a vault (nothing was ever saved there)."""
+
+
+class StepNotFoundError(VaultError, FileNotFoundError):
+    """The requested step has no committed checkpoint."""
+
+    def __init__(self, step: int, url: str, available: list[int] | None = None) -> None:
+        self.step = step
+        shown = ""
+        if available is not None:
+            shown = f"; committed steps: {_short_list(available)}" if available else "; the vault is empty"
+        super().__init__(f"step {step} has no committed checkpoint in {url}{shown}")
+
+
+class StepExistsError(VaultError, FileExistsError):
+    """A checkpoint for this step is already committed."""
+
+    def __init__(self, step: int, url: str) -> None:
+        self.step = step
+        super().__init__(
+            f"step {step} is already committed in {url}; pass overwrite=True to replace it "
+            "or save under another step"
+        )
+
+
+class CorruptDataError(VaultError, ValueError):
+    """Stored bytes do not match what the format promises."""
+
+
+class CorruptChunkError(CorruptDataError):
+    """A chunk object failed its hash check or could not be decoded."""
+
+    def __init__(self, chunk: str, reason: str, step: int | None = None, tensor: str | None = None) -> None:
+        self.chunk, self.step, self.tensor, self.reason = chunk, step, tensor, reason
+        where = []
+        if step is not None:
+            where.append(f"step {step}")
+        if tensor is not None:
+            where.append(f"tensor {tensor!r}")
+        at = f" (needed by {', '.join(where)})" if where else ""
+        super().__init__(f"chunk {chunk} is corrupt{at}: {reason}; run `ckptvault verify` to list every damaged checkpoint")
+
+
+class CorruptManifestError(CorruptDataError):
+    """A manifest is truncated, fails its checksum or is not valid JSON."""
+
+
+class FormatVersionError(VaultError):
+    """The vault or an object in it uses a format version this ckptvault cannot read."""
+
+
+class UnsupportedObjectError(VaultError, TypeError):
+    """The state holds a value ckptvault does not store without pickle."""
+
+    def __init__(self, path: str, value: object, hint: str = "") -> None:
+        self.path = path
+        kind = type(value).__module__ + "." + type(value).__qualname__
+        extra = f" {hint}" if hint else ""
+        super().__init__(
+            f"cannot store {kind} at key path {path!r}: supported values are torch tensors, numpy arrays, "
+            f"dict/list/tuple and int/float/bool/str/bytes/None.{extra} Convert it, or pass allow_pickle=True "
+            "to save it with pickle (loading will then need allow_pickle=True too)"
+        )
+
+
+class PickleNotAllowedError(VaultError):
+    """Loading a checkpoint that holds pickled values requires allow_pickle=True."""
+
+
+class KeyMismatchError(VaultError, KeyError):
+    """``into=`` or ``keys=`` name tensors the checkpoint does not hold, or shapes/dtypes differ."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0]) if self.args else ""
+
+
+class InvalidArgumentError(VaultError, ValueError):
+    """An argument has a value ckptvault cannot use."""
+
+
+class StorageError(VaultError, OSError):
+    """A storage operation failed."""
+
+
+class RetryableStorageError(StorageError):
+    """A transient storage fault; the same call may succeed if retried."""
+
+
+class PermanentStorageError(StorageError):
+    """A storage fault retrying cannot fix (permissions, missing bucket, bad credentials)."""
+
+
+class StorageFullError(PermanentStorageError):
+    """The storage ran out of space. Committed checkpoints are intact; free space and save again."""
+
+
+class ObjectNotFoundError(StorageError, FileNotFoundError):
+    """A storage key does not exist."""
+
+
+class SaveError(VaultError):
+    """A save failed; nothing was committed for its step."""
+
+
+def _short_list(values: list[int], limit: int = 8) -> str:
+    if len(values) <= limit:
+        return ", ".join(map(str, values))
+    head = ", ".join(map(str, values[: limit // 2]))
+    tail = ", ".join(map(str, values[-limit // 2 :]))
+    return f"{head}, ..., {tail}"

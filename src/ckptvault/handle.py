@@ -1,0 +1,32 @@
+"""SaveHandle: the two moments of a save, as futures.
+
+``staged`` completes once the state has been captured (training may modify
+it from then on); ``committed`` completes once the checkpoint is durable and
+visible, with its :class:`CheckpointInfo`, or with the error that stopped it
+(in which case nothing was committed).
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+
+from .info import CheckpointInfo
+
+
+class SaveHandle:
+    def __init__(self, step: int) -> None:
+        self.step = step
+        self.staged: Future[None] = Future()
+        self.committed: Future[CheckpointInfo] = Future()
+
+    def wait(self, timeout: float | None = None) -> CheckpointInfo:
+        """Block until committed; return its info or raise the save's error."""
+        return self.committed.result(timeout)
+
+    def done(self) -> bool:
+        return self.committed.done()
+
+    def __repr__(self) -> str:
+        state = "committed" if self.done() and not self.committed.exception() else (
+            "failed" if self.done() else "staged" if self.staged.done() else "staging")
+        return f"<SaveHandle step={self.step} {state}>"

@@ -1,0 +1,194 @@
+"""Reading checkpoints back: select tensors, fetch and verify chunks, scatter bytes.
+
+Every chunk read is decoded and checked against its BLAKE3 name before any of
+its bytes reach a caller's tensor. Chunks are fetched in parallel on the
+vault's pool; each is held in memory only while its bytes are copied out, so
+a restore needs the output tensors plus about one chunk per worker.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import numpy as np
+import torch
+
+from .arrays import empty_like_record, finish_ndarray, tensor_bytes, torch_dtype, writable_bytes
+from .errors import CorruptChunkError, KeyMismatchError, ObjectNotFoundError, PickleNotAllowedError
+from .rules import any_match
+from .tree import join_path, leaf_paths, unflatten
+from .vault import Vault
+
+Progress = Callable[[int], None]
+
+
+def read_into(vault: Vault, manifest: dict[str, Any], dests: dict[int, memoryview],
+              progress: Progress | None = None) -> None:
+    """Fill ``dests`` (tensor index -> writable byte view of ``nbytes``) from the vault."""
+    tensors, chunks = manifest["tensors"], manifest["chunks"]
+    jobs: dict[int, list[tuple[int, int, int, int]]] = defaultdict(list)
+    for index in dests:
+        dest_offset = 0
+        for chunk, offset, length in tensors[index]["pieces"]:
+            jobs[chunk].append((index, dest_offset, offset, length))
+            dest_offset += length
+
+    def fetch(chunk: int) -> None:
+        cid = chunks[chunk]["id"]
+        first = tensors[jobs[chunk][0][0]]["path"]
+        try:
+            raw = memoryview(vault.read_chunk(cid)).cast("B")
+        except ObjectNotFoundError:
+            raise CorruptChunkError(cid, "the chunk object is missing", manifest["step"], first) from None
+        except CorruptChunkError as exc:
+            raise CorruptChunkError(cid, exc.reason, manifest["step"], first) from None
+        for index, dest_offset, offset, length in jobs[chunk]:
+            dests[index][dest_offset : dest_offset + length] = raw[offset : offset + length]
+        if progress:
+            progress(chunks[chunk]["raw"])
+
+    for _ in vault.pool.map(fetch, sorted(jobs)):
+        pass
+
+
+def select(manifest: dict[str, Any], keys: Iterable[str] | None) -> set[str] | None:
+    """Leaf key paths matching ``keys`` (None = everything). Raises if nothing matches."""
+    if keys is None:
+        return None
+    patterns = [keys] if isinstance(keys, str) else list(keys)
+    paths = leaf_paths(manifest["tree"])
+    chosen = {p for p in paths if any_match(p, patterns)}
+    if not chosen:
+        tops = sorted({p.split(".", 1)[0] for p in paths})
+        raise KeyMismatchError(f"no key path matches {patterns}; top-level keys are {tops[:20]}")
+    return chosen
+
+
+def restore_tree(vault: Vault, manifest: dict[str, Any], keys: Iterable[str] | None, allow_pickle: bool,
+                 progress: Progress | None = None) -> Any:
+    """Rebuild the saved state (or the part ``keys`` selects) in new tensors and arrays."""
+    selected = select(manifest, keys)
+    if not allow_pickle:
+        _refuse_pickle(manifest["tree"], selected)
+    needed = _leaf_indices(manifest["tree"], selected)
+    tensors = manifest["tensors"]
+    values = {i: empty_like_record(tensors[i]["kind"], tensors[i]["dtype"], tensors[i]["shape"]) for i in needed}
+    read_into(vault, manifest, {i: writable_bytes(v) for i, v in values.items()}, progress)
+    finished = {i: _finish(tensors[i], v) for i, v in values.items()}
+    return unflatten(manifest["tree"], finished, selected, allow_pickle)
+
+
+def _refuse_pickle(tree: dict[str, Any], selected: set[str] | None) -> None:
+    """Raise before any I/O if a selected leaf was saved with pickle."""
+    for path, node in leaf_paths(tree).items():
+        if "pickle" in node and (selected is None or path in selected):
+            raise PickleNotAllowedError(
+                f"key path {path!r} was saved with pickle; pass allow_pickle=True to load it "
+                "(only for checkpoints you trust: unpickling can run arbitrary code)"
+            )
+
+
+def restore_into(vault: Vault, manifest: dict[str, Any], into: Any, strict: bool,
+                 progress: Progress | None = None) -> Any:
+    """Copy saved tensors into the tensors/arrays of ``into`` in place; returns ``into``."""
+    targets = dict(_array_leaves(into))
+    saved = {t["path"]: i for i, t in enumerate(manifest["tensors"]) if t["kind"] != "pickle"}
+    prefix = _mount_prefix(list(targets), saved)
+    dests: dict[int, memoryview] = {}
+    copies: list[tuple[Any, Any]] = []
+    for path, target in targets.items():
+        index = saved.get(join_path(prefix, path) if prefix else path)
+        if index is None:
+            if strict:
+                raise KeyMismatchError(f"into= holds {path!r}, which the checkpoint does not (pass strict=False to skip)")
+            continue
+        dests[index] = _target_view(manifest["tensors"][index], path, target, copies)
+    if strict:
+        _check_no_extra(saved, targets, prefix)
+    read_into(vault, manifest, dests, progress)
+    for target, temp in copies:
+        target.copy_(temp) if isinstance(target, torch.Tensor) else np.copyto(target, temp)
+    return into
+
+
+def _target_view(record: dict[str, Any], path: str, target: Any, copies: list[tuple[Any, Any]]) -> memoryview:
+    """A byte view to write into: the target itself when it is contiguous, else a temporary."""
+    shape, dtype = list(target.shape), _dtype_name(target)
+    if shape != record["shape"] or dtype != record["dtype"]:
+        raise KeyMismatchError(
+            f"{path!r}: saved {record['dtype']}{record['shape']}, target is {dtype}{shape}; "
+            "restore without into= and convert, or fix the target"
+        )
+    if isinstance(target, torch.Tensor):
+        direct = target.device.type == "cpu" and target.is_contiguous() and not target.is_conj() and not target.is_neg()
+        if direct:
+            return tensor_bytes(target.detach())
+        temp = torch.empty(record["shape"], dtype=torch_dtype(record["dtype"]))
+        copies.append((target.detach(), temp))
+        return tensor_bytes(temp)
+    if target.flags.c_contiguous and target.flags.writeable and target.dtype.byteorder != ">":
+        return writable_bytes(target)
+    temp = empty_like_record("numpy", record["dtype"], record["shape"])
+    copies.append((target, temp))
+    return writable_bytes(temp)
+
+
+def _dtype_name(value: Any) -> str:
+    return str(value.dtype).removeprefix("torch.") if isinstance(value, torch.Tensor) else value.dtype.str
+
+
+def _mount_prefix(paths: list[str], saved: dict[str, int]) -> str:
+    """"" if ``into`` mirrors the saved tree; else the one subtree path holding all its tensors."""
+    if not paths or all(p in saved for p in paths):
+        return ""
+    first = paths[0]
+    candidates = {s[: -len(first) - 1] for s in saved if s.endswith("." + first)}
+    fits = sorted(c for c in candidates if all(f"{c}.{p}" in saved for p in paths))
+    if len(fits) == 1:
+        return fits[0]
+    if not fits:
+        missing = [p for p in paths if p not in saved][:5]
+        raise KeyMismatchError(f"into= tensors {missing} are not in the checkpoint, at its root or under any one key")
+    raise KeyMismatchError(f"into= matches several subtrees {fits}; restore with keys= or pass the full tree")
+
+
+def _check_no_extra(saved: dict[str, int], targets: dict[str, Any], prefix: str) -> None:
+    scope = prefix + "." if prefix else ""
+    extra = [p for p in saved if p.startswith(scope) and p[len(scope):] not in targets]
+    if extra:
+        raise KeyMismatchError(
+            f"the checkpoint holds {len(extra)} tensors under {prefix or 'the root'!r} that into= lacks, "
+            f"such as {extra[:3]}; pass strict=False to restore only the ones present"
+        )
+
+
+def _array_leaves(value: Any, path: str = "") -> Iterable[tuple[str, Any]]:
+    if isinstance(value, (torch.Tensor, np.ndarray)):
+        yield path, value
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            yield from _array_leaves(v, join_path(path, k))
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            yield from _array_leaves(v, join_path(path, i))
+
+
+def _leaf_indices(tree: dict[str, Any], selected: set[str] | None) -> set[int]:
+    out = set()
+    for path, node in leaf_paths(tree).items():
+        tag = next(iter(node))
+        if tag in ("tensor", "ndarray", "npscalar", "pickle") and (selected is None or path in selected):
+            out.add(node[tag])
+    return out
+
+
+def _finish(record: dict[str, Any], value: Any) -> Any:
+    if record["kind"] == "numpy":
+        return finish_ndarray(value, record["dtype"])
+    if record["kind"] == "torch" and record.get("requires_grad"):
+        return torch.nn.Parameter(value, requires_grad=True)
+    return value
+
+

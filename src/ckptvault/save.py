@@ -1,0 +1,195 @@
+"""Steps 2-4 of a save: chunk + hash -> dedup -> encode -> write, then commit.
+
+Call order: :func:`take_snapshot` (``snapshot.py``), then :func:`write_chunks`,
+then :func:`commit`. Only :func:`commit` makes the checkpoint visible, by
+creating its manifest (create-if-absent, or atomic replace with
+``overwrite``). If anything fails before it, nothing is committed and the
+chunks already written are unreferenced garbage for ``gc``.
+
+Chunk writes may be retried freely: a chunk is named by the hash of its raw
+bytes and written with create-if-absent, so writing it twice is harmless.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from . import __version__
+from .codecs import chain_for, encode_chain
+from .errors import InvalidArgumentError, StepExistsError
+from .format import FORMAT_VERSION
+from .format.chunk_object import ChunkHeader, chunk_id, chunk_key, encode_object
+from .format.manifest import MANIFEST_FORMAT, encode_manifest, manifest_key
+from .layout import ChunkPlan, LeafSpec, Piece, plan_chunks
+from .snapshot import Snapshot
+from .vault import Vault
+
+log = logging.getLogger(__name__)
+
+Progress = Callable[[int], None]
+
+
+@dataclass
+class ChunkResult:
+    """One chunk of a checkpoint: its id, raw and stored sizes, and whether this save wrote it."""
+
+    id: str
+    raw: int
+    stored: int
+    new: bool
+
+
+def pack_threshold(chunk_size: int) -> int:
+    """Arrays smaller than this share chunks with other small arrays."""
+    return chunk_size // 4
+
+
+def write_chunks(vault: Vault, snapshot: Snapshot, progress: Progress | None = None
+                 ) -> tuple[list[ChunkResult], list[list[Piece]]]:
+    """Write every chunk of ``snapshot`` the vault lacks. Returns chunk results and per-leaf pieces."""
+    chunk_size = vault.require()["chunk_size"]
+    specs = [LeafSpec(r.nbytes, r.itemsize, r.codec) for r in snapshot.records]
+    plans, pieces = plan_chunks(specs, chunk_size, pack_threshold(chunk_size))
+    writer = _ChunkWriter(vault, snapshot, progress)
+    results = list(vault.pool.map(writer.write, plans))
+    return results, pieces
+
+
+class _ChunkWriter:
+    """Hash, dedup, encode and store one planned chunk; safe to call from many threads."""
+
+    def __init__(self, vault: Vault, snapshot: Snapshot, progress: Progress | None) -> None:
+        self.vault, self.snapshot, self.progress = vault, snapshot, progress
+        self._claimed: dict[str, threading.Event] = {}
+        self._lock = threading.Lock()
+
+    def _raw(self, plan: ChunkPlan) -> memoryview:
+        views = self.snapshot.views
+        if len(plan.sources) == 1:
+            s = plan.sources[0]
+            return views[s.leaf][s.start : s.start + s.length]
+        return memoryview(b"".join(views[s.leaf][s.start : s.start + s.length] for s in plan.sources))
+
+    def write(self, plan: ChunkPlan) -> ChunkResult:
+        raw = self._raw(plan)
+        cid = chunk_id(raw)
+        key = chunk_key(cid)
+        if self._first_claim(cid):
+            try:
+                created, stored = self._store(key, raw, plan)
+            finally:
+                self._release(cid)
+        else:
+            self._wait_for_claim(cid)
+            created, stored = False, self.vault.store.stat(key).size
+        if self.progress:
+            self.progress(len(raw))
+        return ChunkResult(cid, len(raw), stored, created)
+
+    def _store(self, key: str, raw: memoryview, plan: ChunkPlan) -> tuple[bool, int]:
+        """Encode and write the chunk unless the vault has it. Returns (created, stored size)."""
+        store = self.vault.store
+        if store.exists(key):
+            return False, store.stat(key).size
+        header_codec, payload = encode_chain(raw, chain_for(plan.codec, plan.itemsize))
+        data = encode_object(ChunkHeader(codec=header_codec, raw=len(raw)), payload)
+        if store.put_if_absent(key, data):
+            return True, len(data)
+        return False, store.stat(key).size
+
+    def _first_claim(self, cid: str) -> bool:
+        with self._lock:
+            if cid in self._claimed:
+                return False
+            self._claimed[cid] = threading.Event()
+            return True
+
+    def _wait_for_claim(self, cid: str) -> None:
+        """A duplicate chunk within one save waits until the first copy is stored."""
+        event = self._claimed.get(cid)
+        if event is not None:
+            event.wait()
+
+    def _release(self, cid: str) -> None:
+        event = self._claimed.get(cid)
+        if event is not None:
+            event.set()
+
+
+def build_manifest(step: int, snapshot: Snapshot, chunks: list[ChunkResult], pieces: list[list[Piece]],
+                   metrics: dict[str, Any] | None, metadata: dict[str, Any] | None) -> dict[str, Any]:
+    """The manifest body: every tensor, the unique chunks they use, and the statistics."""
+    index_of: dict[str, int] = {}
+    table: list[dict[str, Any]] = []
+    remap: list[int] = []
+    for result in chunks:
+        if result.id not in index_of:
+            index_of[result.id] = len(table)
+            table.append({"id": result.id, "raw": result.raw, "stored": result.stored, "new": result.new})
+        elif result.new:
+            table[index_of[result.id]]["new"] = True
+        remap.append(index_of[result.id])
+    tensors = []
+    for record, leaf_pieces in zip(snapshot.records, pieces, strict=True):
+        entry = {
+            "path": record.path, "kind": record.kind, "dtype": record.dtype, "shape": record.shape,
+            "global_shape": record.shape, "offsets": [0] * len(record.shape), "nbytes": record.nbytes,
+            "codec": record.codec, "pieces": [[remap[p.chunk], p.offset, p.length] for p in leaf_pieces],
+        }
+        if record.requires_grad:
+            entry["requires_grad"] = True
+        if record.device != "cpu":
+            entry["device"] = record.device
+        tensors.append(entry)
+    return {
+        "format": MANIFEST_FORMAT, "version": FORMAT_VERSION, "step": step, "time": time.time(),
+        "writer": f"ckptvault {__version__}", "hash": "blake3", "pickle": snapshot.allow_pickle and any(
+            r.kind == "pickle" for r in snapshot.records),
+        "logical_bytes": snapshot.logical_bytes, "stored_bytes": sum(c["stored"] for c in table),
+        "added_bytes": sum(c["stored"] for c in table if c["new"]),
+        "metrics": _json_only(metrics or {}, "metrics"), "metadata": _json_only(metadata or {}, "metadata"),
+        "tree": snapshot.tree, "tensors": tensors, "chunks": table,
+    }
+
+
+def commit(vault: Vault, step: int, manifest: dict[str, Any], overwrite: bool) -> None:
+    """Make the checkpoint visible. Atomic: afterwards it is either fully committed or absent."""
+    data = encode_manifest(manifest)
+    key = manifest_key(step)
+    if overwrite:
+        vault.store.put(key, data)
+    elif not vault.store.put_if_absent(key, data):
+        raise StepExistsError(step, vault.url)
+    log.info("committed step %d to %s (%d bytes added)", step, vault.url, manifest["added_bytes"])
+
+
+def check_step(step: Any) -> int:
+    if type(step) is not int or step < 0:
+        raise InvalidArgumentError(f"step must be a non-negative int, got {step!r}")
+    return step
+
+
+def _json_only(values: dict[str, Any], what: str) -> dict[str, Any]:
+    import json
+    import math
+
+    if not isinstance(values, dict) or not all(isinstance(k, str) for k in values):
+        raise InvalidArgumentError(f"{what} must be a dict with str keys, got {type(values).__name__}")
+    cleaned = {k: (float(v) if _is_number_like(v) else v) for k, v in values.items()}
+    try:
+        json.dumps(cleaned, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        bad = [k for k, v in cleaned.items() if isinstance(v, float) and not math.isfinite(v)]
+        detail = f"non-finite values at {bad}" if bad else str(exc)
+        raise InvalidArgumentError(f"{what} must be JSON-serialisable (finite numbers, str, lists, dicts): {detail}") from None
+    return cleaned
+
+
+def _is_number_like(value: Any) -> bool:
+    """numpy and 0-d torch scalars (a loss.item() forgotten) are accepted as floats."""
+    return type(value).__module__ in ("numpy", "torch") and getattr(value, "ndim", 1) == 0 and hasattr(value, "item")

@@ -1,0 +1,77 @@
+"""The narrow storage interface every vault backend implements.
+
+Keys are ``/``-separated relative paths (``chunks/ab/ab12...``). Objects are
+immutable once written, except through :meth:`Store.put` which replaces a
+whole object atomically.
+
+Contract for implementations:
+
+* ``put`` and ``put_if_absent`` are atomic: a reader sees either no object or
+  the complete new bytes, never a prefix. When they return, the object is
+  durable (survives a crash of this process and, where the backend allows, of
+  the machine).
+* ``put_if_absent`` is the primitive that dedup and commit rest on: exactly one
+  of several concurrent writers of one key gets ``True``.
+* Errors are classified by the store itself: :class:`ObjectNotFoundError` for
+  a missing key, :class:`StorageFullError` when space runs out,
+  :class:`RetryableStorageError` for transient faults and
+  :class:`PermanentStorageError` otherwise.
+* Every method may be called from several threads at once.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    """Size in bytes and modification time (seconds since the epoch) of a stored object."""
+
+    key: str
+    size: int
+    mtime: float
+
+
+class Store(abc.ABC):
+    """A flat key -> bytes object store."""
+
+    #: human-readable location, used in error messages
+    url: str
+
+    @abc.abstractmethod
+    def get(self, key: str) -> bytes:
+        """Return the whole object. Raises ObjectNotFoundError if absent."""
+
+    def get_range(self, key: str, start: int, length: int) -> bytes:
+        """Return ``length`` bytes from ``start`` (fewer at the end of the object)."""
+        return self.get(key)[start : start + length]
+
+    @abc.abstractmethod
+    def put(self, key: str, data: bytes | memoryview) -> None:
+        """Create or atomically replace an object; durable on return."""
+
+    @abc.abstractmethod
+    def put_if_absent(self, key: str, data: bytes | memoryview) -> bool:
+        """Create the object unless it exists. True if this call created it."""
+
+    @abc.abstractmethod
+    def exists(self, key: str) -> bool:
+        """True if the object exists."""
+
+    @abc.abstractmethod
+    def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        """Every object whose key starts with ``prefix``, in no particular order."""
+
+    @abc.abstractmethod
+    def delete(self, key: str) -> None:
+        """Remove the object; a missing object is not an error."""
+
+    @abc.abstractmethod
+    def stat(self, key: str) -> ObjectInfo:
+        """Size and mtime of an object. Raises ObjectNotFoundError if absent."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release connections or handles. The store is unusable afterwards."""

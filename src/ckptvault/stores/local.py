@@ -1,0 +1,204 @@
+"""The local (POSIX file system) store: the embedded default.
+
+Atomicity rests on three POSIX guarantees, which local disks and shared file
+systems such as NFS (v3+), CephFS, Lustre and CFS provide:
+
+* ``rename(2)`` within one directory tree replaces the target atomically;
+* ``link(2)`` fails with EEXIST if the target exists (create-if-absent);
+* ``fsync`` on a file and then on its directory makes both durable.
+
+Every write goes to a uniquely named temporary file under ``<root>/tmp/``,
+is fsynced, then renamed or linked into place, then the parent directory is
+fsynced. A crash leaves at most stray files in ``tmp/``, never a partial
+object under its final name.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+from ..errors import ObjectNotFoundError, PermanentStorageError, StorageError, StorageFullError
+from .base import ObjectInfo, Store
+
+TMP_DIR = "tmp"
+
+
+class LocalStore(Store):
+    """Objects are files under ``root``; keys map to relative paths."""
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        self.root = Path(root).expanduser().absolute()
+        self.url = str(self.root)
+        self._made_dirs: set[Path] = set()
+
+    # -- paths -----------------------------------------------------------
+    def _path(self, key: str) -> Path:
+        if not key or key.startswith("/") or ".." in key.split("/"):
+            raise PermanentStorageError(f"invalid storage key {key!r}")
+        return self.root / key
+
+    def _ensure_dir(self, path: Path) -> None:
+        if path in self._made_dirs:
+            return
+        with _classified(str(path)):
+            path.mkdir(parents=True, exist_ok=True)
+        self._made_dirs.add(path)
+
+    def _write_temp(self, data: bytes | memoryview) -> Path:
+        tmp_dir = self.root / TMP_DIR
+        self._ensure_dir(tmp_dir)
+        tmp = tmp_dir / f"{uuid.uuid4().hex}.part"
+        try:
+            with _classified(str(tmp)):
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+                try:
+                    view = memoryview(data).cast("B")
+                    while view:
+                        written = os.write(fd, view)
+                        view = view[written:]
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+        except BaseException:
+            _unlink_quietly(tmp)
+            raise
+        return tmp
+
+    # -- Store interface -------------------------------------------------
+    def get(self, key: str) -> bytes:
+        path = self._path(key)
+        with _classified(key):
+            return path.read_bytes()
+
+    def get_range(self, key: str, start: int, length: int) -> bytes:
+        with _classified(key), open(self._path(key), "rb") as f:
+            f.seek(start)
+            return f.read(length)
+
+    def put(self, key: str, data: bytes | memoryview) -> None:
+        final = self._path(key)
+        self._ensure_dir(final.parent)
+        tmp = self._write_temp(data)
+        try:
+            with _classified(key):
+                os.replace(tmp, final)
+        except BaseException:
+            _unlink_quietly(tmp)
+            raise
+        _fsync_dir(final.parent)
+
+    def put_if_absent(self, key: str, data: bytes | memoryview) -> bool:
+        final = self._path(key)
+        if final.exists():
+            return False
+        self._ensure_dir(final.parent)
+        tmp = self._write_temp(data)
+        try:
+            with _classified(key):
+                os.link(tmp, final)
+            created = True
+        except FileExistsError:
+            created = False
+        finally:
+            _unlink_quietly(tmp)
+        if created:
+            _fsync_dir(final.parent)
+        return created
+
+    def exists(self, key: str) -> bool:
+        return self._path(key).exists()
+
+    def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        base_dir = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
+        start = self.root / base_dir if base_dir else self.root
+        if not start.is_dir():
+            return
+        for dirpath, dirnames, filenames in os.walk(start):
+            rel_dir = os.path.relpath(dirpath, self.root)
+            if rel_dir == TMP_DIR:
+                dirnames[:] = []
+                continue
+            for name in filenames:
+                key = name if rel_dir == "." else f"{rel_dir}/{name}".replace(os.sep, "/")
+                if key.startswith(prefix) and not key.startswith(TMP_DIR + "/"):
+                    try:
+                        st = os.stat(os.path.join(dirpath, name))
+                    except FileNotFoundError:
+                        continue
+                    yield ObjectInfo(key, st.st_size, st.st_mtime)
+
+    def delete(self, key: str) -> None:
+        path = self._path(key)
+        with _classified(key):
+            try:
+                path.unlink()
+            except FileNotFoundError:
+                return
+        _fsync_dir(path.parent)
+
+    def stat(self, key: str) -> ObjectInfo:
+        with _classified(key):
+            st = self._path(key).stat()
+        return ObjectInfo(key, st.st_size, st.st_mtime)
+
+    def temp_files(self) -> list[ObjectInfo]:
+        """Leftover temporary files of interrupted writes (invisible to :meth:`list`)."""
+        tmp_dir = self.root / TMP_DIR
+        if not tmp_dir.is_dir():
+            return []
+        out = []
+        for entry in os.scandir(tmp_dir):
+            try:
+                st = entry.stat()
+            except FileNotFoundError:
+                continue
+            out.append(ObjectInfo(f"{TMP_DIR}/{entry.name}", st.st_size, st.st_mtime))
+        return out
+
+
+class _classified:
+    """Context manager translating OSError into ckptvault's storage errors."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, exc_type, exc, tb) -> bool:  # type: ignore[no-untyped-def]
+        if exc is None or not isinstance(exc, OSError) or isinstance(exc, StorageError):
+            return False
+        if isinstance(exc, FileNotFoundError):
+            raise ObjectNotFoundError(f"no object {self.what!r} in the store") from exc
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise StorageFullError(
+                f"no space left while writing {self.what!r}: {exc.strerror}. Committed checkpoints are intact; "
+                "free space (for example `ckptvault rm` old steps, then `ckptvault gc`) and save again"
+            ) from exc
+        if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+            raise PermanentStorageError(f"permission denied for {self.what!r}: {exc.strerror}") from exc
+        raise StorageError(f"storage error on {self.what!r}: {exc}") from exc
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _unlink_quietly(path: Path) -> None:
+    try:
+        path.unlink()
+    except OSError:
+        pass

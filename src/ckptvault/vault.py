@@ -1,0 +1,146 @@
+"""The vault: a store plus the layout of ckptvault objects in it.
+
+Keys::
+
+    vault.json                         descriptor, created once (create-if-absent)
+    chunks/<2 hex>/<64 hex>            immutable chunk objects (format/chunk_object.py)
+    manifests/<step, 20 digits>.json   one per committed checkpoint (format/manifest.py)
+
+A checkpoint exists exactly when its manifest exists. Chunks are written
+before the manifest that names them, so a crash leaves unreferenced chunks
+(garbage that ``gc`` removes) but never a manifest naming a missing chunk.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from .codecs import DEFAULT_CODEC, validate_codec_name
+from .errors import (
+    CorruptManifestError,
+    FormatVersionError,
+    InvalidArgumentError,
+    ObjectNotFoundError,
+    StepNotFoundError,
+    VaultNotFoundError,
+)
+from .format import FORMAT_VERSION
+from .format.chunk_object import chunk_key, decode_object
+from .format.manifest import decode_manifest, manifest_key, step_of_key
+from .stores import Store, open_store
+
+log = logging.getLogger(__name__)
+
+DESCRIPTOR_KEY = "vault.json"
+VAULT_FORMAT = "ckptvault.vault"
+DEFAULT_CHUNK_SIZE = 4 << 20
+MIN_CHUNK_SIZE = 64 << 10
+MAX_CHUNK_SIZE = 256 << 20
+
+
+def default_workers() -> int:
+    """Threads for encoding and I/O: the machine's cores (codecs and hashes release the GIL)."""
+    return max(2, os.cpu_count() or 2)
+
+
+class Vault:
+    """Low-level access to one vault. Thread-safe; owns a worker pool."""
+
+    def __init__(self, url: str | os.PathLike[str] | Store, storage_options: dict[str, Any] | None = None,
+                 workers: int | None = None) -> None:
+        self.store = open_store(url, storage_options)
+        self.url = self.store.url
+        self.workers = workers or default_workers()
+        self._pool: ThreadPoolExecutor | None = None
+        self._pool_lock = threading.Lock()
+        self._descriptor: dict[str, Any] | None = None
+
+    # -- descriptor --------------------------------------------------------
+    def descriptor(self) -> dict[str, Any] | None:
+        """The vault descriptor, or None if no vault exists at the URL yet."""
+        if self._descriptor is None:
+            try:
+                raw = self.store.get(DESCRIPTOR_KEY)
+            except ObjectNotFoundError:
+                return None
+            self._descriptor = _parse_descriptor(raw, self.url)
+        return self._descriptor
+
+    def require(self) -> dict[str, Any]:
+        """The descriptor; raises VaultNotFoundError if there is no vault."""
+        desc = self.descriptor()
+        if desc is None:
+            raise VaultNotFoundError(f"no ckptvault vault at {self.url} (nothing was saved there yet)")
+        return desc
+
+    def create(self, chunk_size: int = DEFAULT_CHUNK_SIZE, codec: str = DEFAULT_CODEC) -> dict[str, Any]:
+        """Create the descriptor unless it exists (safe when several processes race); return it."""
+        if chunk_size % 64 or not MIN_CHUNK_SIZE <= chunk_size <= MAX_CHUNK_SIZE:
+            raise InvalidArgumentError(
+                f"chunk_size must be a multiple of 64 between {MIN_CHUNK_SIZE} and {MAX_CHUNK_SIZE}, got {chunk_size}"
+            )
+        desc = {"format": VAULT_FORMAT, "version": FORMAT_VERSION, "chunk_size": chunk_size,
+                "codec": validate_codec_name(codec), "hash": "blake3", "created": time.time()}
+        if not self.store.put_if_absent(DESCRIPTOR_KEY, json.dumps(desc, indent=1).encode()):
+            self._descriptor = None
+            return self.require()
+        self._descriptor = desc
+        return desc
+
+    # -- checkpoints -------------------------------------------------------
+    def steps(self) -> list[int]:
+        """Committed steps, ascending. An absent vault has none."""
+        found = (step_of_key(info.key) for info in self.store.list("manifests/"))
+        return sorted(s for s in found if s is not None)
+
+    def read_manifest(self, step: int) -> dict[str, Any]:
+        """The verified manifest of ``step``; StepNotFoundError if not committed."""
+        try:
+            data = self.store.get(manifest_key(step))
+        except ObjectNotFoundError:
+            self.require()
+            raise StepNotFoundError(step, self.url, self.steps()) from None
+        manifest = decode_manifest(data, f"{manifest_key(step)} in {self.url}")
+        if manifest.get("step") != step:
+            raise CorruptManifestError(f"manifest {manifest_key(step)} names step {manifest.get('step')}")
+        return manifest
+
+    def read_chunk(self, cid: str) -> bytes | memoryview:
+        """Raw bytes of a chunk, verified against its hash."""
+        return decode_object(cid, self.store.get(chunk_key(cid)))
+
+    # -- workers -----------------------------------------------------------
+    @property
+    def pool(self) -> ThreadPoolExecutor:
+        with self._pool_lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="ckptvault")
+            return self._pool
+
+    def close(self) -> None:
+        with self._pool_lock:
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)
+                self._pool = None
+        self.store.close()
+
+
+def _parse_descriptor(raw: bytes, url: str) -> dict[str, Any]:
+    try:
+        desc = json.loads(raw)
+    except ValueError:
+        raise CorruptManifestError(f"{DESCRIPTOR_KEY} in {url} is not valid JSON") from None
+    if not isinstance(desc, dict) or desc.get("format") != VAULT_FORMAT:
+        raise CorruptManifestError(f"{DESCRIPTOR_KEY} in {url} does not describe a ckptvault vault")
+    if int(desc.get("version", 0)) > FORMAT_VERSION:
+        raise FormatVersionError(
+            f"the vault at {url} uses format version {desc['version']}; this ckptvault reads up to "
+            f"{FORMAT_VERSION}: upgrade ckptvault"
+        )
+    return desc
