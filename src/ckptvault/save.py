@@ -21,7 +21,7 @@ from typing import Any
 
 from . import __version__
 from .codecs import chain_for, encode_chain
-from .errors import InvalidArgumentError, StepExistsError
+from .errors import InvalidArgumentError, ObjectNotFoundError, SaveError, StepExistsError
 from .format import FORMAT_VERSION
 from .format.chunk_object import ChunkHeader, chunk_id, chunk_key, encode_object
 from .format.manifest import MANIFEST_FORMAT, encode_manifest, manifest_key
@@ -95,7 +95,11 @@ class _ChunkWriter:
         """Encode and write the chunk unless the vault has it. Returns (created, stored size)."""
         store = self.vault.store
         if store.exists(key):
-            return False, store.stat(key).size
+            try:
+                store.touch(key)  # protects the reused chunk from gc until this save commits
+                return False, store.stat(key).size
+            except ObjectNotFoundError:
+                pass  # collected between exists() and touch(): write it again
         header_codec, payload = encode_chain(raw, chain_for(plan.codec, plan.itemsize))
         data = encode_object(ChunkHeader(codec=header_codec, raw=len(raw)), payload)
         if store.put_if_absent(key, data):
@@ -158,7 +162,19 @@ def build_manifest(step: int, snapshot: Snapshot, chunks: list[ChunkResult], pie
 
 
 def commit(vault: Vault, step: int, manifest: dict[str, Any], overwrite: bool) -> None:
-    """Make the checkpoint visible. Atomic: afterwards it is either fully committed or absent."""
+    """Make the checkpoint visible. Atomic: afterwards it is either fully committed or absent.
+
+    Before writing the manifest, every reused chunk is checked to still exist
+    (gc may have collected an old unreferenced one since it was found); a
+    missing one fails the save with nothing committed, and the save may be retried.
+    """
+    reused = [c["id"] for c in manifest["chunks"] if not c["new"]]
+    missing = [cid for cid in reused if not vault.store.exists(chunk_key(cid))]
+    if missing:
+        raise SaveError(
+            f"{len(missing)} reused chunks (such as {missing[0]}) were removed by a concurrent gc before step {step} "
+            "committed; nothing was committed: save again"
+        )
     data = encode_manifest(manifest)
     key = manifest_key(step)
     if overwrite:

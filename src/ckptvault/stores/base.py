@@ -73,5 +73,14 @@ class Store(abc.ABC):
     def stat(self, key: str) -> ObjectInfo:
         """Size and mtime of an object. Raises ObjectNotFoundError if absent."""
 
+    @abc.abstractmethod
+    def touch(self, key: str) -> None:
+        """Set the object's mtime to now (the store's clock). Raises ObjectNotFoundError if absent.
+
+        A save calls this on every chunk it reuses, so that garbage collection,
+        which only deletes unreferenced objects older than a grace period, does
+        not delete a chunk an uncommitted save is about to reference.
+        """
+
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release connections or handles. The store is unusable afterwards."""

@@ -145,6 +145,10 @@ class LocalStore(Store):
             st = self._path(key).stat()
         return ObjectInfo(key, st.st_size, st.st_mtime)
 
+    def touch(self, key: str) -> None:
+        with _classified(key):
+            os.utime(self._path(key))
+
     def temp_files(self) -> list[ObjectInfo]:
         """Leftover temporary files of interrupted writes (invisible to :meth:`list`)."""
         tmp_dir = self.root / TMP_DIR

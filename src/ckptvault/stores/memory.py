@@ -55,6 +55,12 @@ class MemoryStore(Store):
         with self._lock:
             self._objects.pop(key, None)
 
+    def touch(self, key: str) -> None:
+        with self._lock:
+            if key not in self._objects:
+                raise ObjectNotFoundError(f"no object {key!r} in {self.url}")
+            self._objects[key] = (self._objects[key][0], time.time())
+
     def stat(self, key: str) -> ObjectInfo:
         try:
             data, mtime = self._objects[key]
