@@ -79,11 +79,11 @@ class Flattener:
         if kind is bytes:
             return {"bytes": base64.b64encode(value).decode("ascii")}
         if isinstance(value, torch.Tensor):
-            return {"tensor": self._tensor(value, path)}
+            return self._tensor(value, path)
         if kind is np.ndarray:
-            return {"ndarray": self._ndarray(value, path)}
+            return self._ndarray(value, path)
         if isinstance(value, np.generic) and value.dtype.kind in NUMPY_KINDS:
-            return {"npscalar": self._ndarray(np.asarray(value), path)}
+            return {"npscalar": self._ndarray(np.asarray(value), path)["ndarray"]}
         if kind in (dict, collections.OrderedDict):
             return self._dict(value, path)
         if kind in (list, tuple):
@@ -106,23 +106,23 @@ class Flattener:
                 pass  # module metadata we cannot represent is dropped, as safetensors does
         return node
 
-    def _tensor(self, t: torch.Tensor, path: str) -> int:
+    def _tensor(self, t: torch.Tensor, path: str) -> Node:
         if t.layout != torch.strided or t.is_quantized or t.is_nested or t.device.type == "meta":
-            return self._fallback(t, path, "Only dense (strided) tensors with data are stored natively.")["pickle"]
+            return self._fallback(t, path, "Only dense (strided) tensors with data are stored natively.")
         key = (t.untyped_storage().data_ptr(), t.device, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
         if t.numel() > 0 and key in self._seen_tensors:
-            return self._seen_tensors[key]
+            return {"tensor": self._seen_tensors[key]}
         self.leaves.append(Leaf(path, "torch", t))
         index = len(self.leaves) - 1
         if t.numel() > 0:
             self._seen_tensors[key] = index
-        return index
+        return {"tensor": index}
 
-    def _ndarray(self, a: np.ndarray, path: str) -> int:
+    def _ndarray(self, a: np.ndarray, path: str) -> Node:
         if a.dtype.kind not in NUMPY_KINDS:
-            return self._fallback(a, path, f"numpy dtype {a.dtype} is not numeric.")["pickle"]
+            return self._fallback(a, path, f"numpy dtype {a.dtype} is not numeric.")
         self.leaves.append(Leaf(path, "numpy", a))
-        return len(self.leaves) - 1
+        return {"ndarray": len(self.leaves) - 1}
 
     def _fallback(self, value: Any, path: str, hint: str = "") -> Node:
         if not self.allow_pickle:
