@@ -109,7 +109,8 @@ class Flattener:
     def _tensor(self, t: torch.Tensor, path: str) -> Node:
         if t.layout != torch.strided or t.is_quantized or t.is_nested or t.device.type == "meta":
             return self._fallback(t, path, "Only dense (strided) tensors with data are stored natively.")
-        key = (t.untyped_storage().data_ptr(), t.device, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+        key = (t.untyped_storage().data_ptr(), t.device, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype,
+               t.is_conj(), t.is_neg())  # a conj/neg view shares storage and strides but not values
         if t.numel() > 0 and key in self._seen_tensors:
             return {"tensor": self._seen_tensors[key]}
         self.leaves.append(Leaf(path, "torch", t))
