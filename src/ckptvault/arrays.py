@@ -50,7 +50,8 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     """Bytes of a contiguous CPU tensor, without copying."""
     if t.numel() == 0:
         return memoryview(b"")
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+    # as_strided, not reshape: a "contiguous" tensor may have any stride on size-1 dims (x[::2][:1])
+    return memoryview(t.as_strided((t.numel(),), (1,)).view(torch.uint8).numpy())
 
 
 def ndarray_bytes(a: np.ndarray) -> memoryview:
