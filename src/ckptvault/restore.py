@@ -94,9 +94,10 @@ def restore_into(vault: Vault, manifest: dict[str, Any], into: Any, strict: bool
                  progress: Progress | None = None) -> Any:
     """Copy saved tensors into the tensors/arrays of ``into`` in place; returns ``into``."""
     targets = dict(_array_leaves(into))
-    saved = {t["path"]: i for i, t in enumerate(manifest["tensors"]) if t["kind"] != "pickle"}
+    saved = _saved_array_paths(manifest)
     prefix = _mount_prefix(list(targets), saved)
     dests: dict[int, memoryview] = {}
+    firsts: dict[int, Any] = {}
     copies: list[tuple[Any, Any]] = []
     for path, target in targets.items():
         index = saved.get(join_path(prefix, path) if prefix else path)
@@ -104,13 +105,36 @@ def restore_into(vault: Vault, manifest: dict[str, Any], into: Any, strict: bool
             if strict:
                 raise KeyMismatchError(f"into= holds {path!r}, which the checkpoint does not (pass strict=False to skip)")
             continue
+        if index in firsts:  # another key path of a tied tensor (saved once): copied from the first after reading
+            _target_view(manifest["tensors"][index], path, target, [])  # checks dtype and shape
+            if not _same_memory(target, firsts[index]):
+                copies.append((target.detach() if isinstance(target, torch.Tensor) else target, firsts[index]))
+            continue
         dests[index] = _target_view(manifest["tensors"][index], path, target, copies)
+        firsts[index] = target.detach() if isinstance(target, torch.Tensor) else target
     if strict:
         _check_no_extra(saved, targets, prefix)
     read_into(vault, manifest, dests, progress)
     for target, temp in copies:
         target.copy_(temp) if isinstance(target, torch.Tensor) else np.copyto(target, temp)
     return into
+
+
+def _saved_array_paths(manifest: dict[str, Any]) -> dict[str, int]:
+    """Key path -> record index of every saved array, tied aliases (one record, several paths) included."""
+    kinds = [t["kind"] for t in manifest["tensors"]]
+    out = {}
+    for path, node in leaf_paths(manifest["tree"]).items():
+        tag, index = next(iter(node.items()))
+        if tag in ("tensor", "ndarray") and kinds[index] != "pickle":
+            out[path] = index
+    return out
+
+
+def _same_memory(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return a.data_ptr() == b.data_ptr() and a.stride() == b.stride()
+    return False
 
 
 def _target_view(record: dict[str, Any], path: str, target: Any, copies: list[tuple[Any, Any]]) -> memoryview:
