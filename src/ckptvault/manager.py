@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from .codecs import DEFAULT_CODEC
+from .delta import DeltaPolicy, delta_context
 from .errors import StepExistsError, VaultNotFoundError
 from .format.manifest import manifest_key
 from .handle import SaveHandle
@@ -33,6 +34,14 @@ class CheckpointManager:
     steps. ``codec`` is the default lossless codec for new vaults (``zstd``,
     ``lz4``, ``none``/``fast``, ``zstd-N``); ``codec_rules`` override it per key
     path, first match wins. Use as a context manager or call :meth:`close`.
+
+    Incremental saves (``incremental=True``, the default): chunks identical to
+    stored ones are never written again, and changed chunks are stored as XOR
+    deltas against the same region of the latest keyframe when that is
+    smaller. A keyframe (stored without deltas) is written every
+    ``keyframe_every`` checkpoints, or when the previous checkpoint added more
+    than ``keyframe_growth`` x the keyframe's stored bytes; so restoring any
+    checkpoint reads at most one base chunk per chunk.
     """
 
     def __init__(
@@ -44,6 +53,9 @@ class CheckpointManager:
         chunk_size: int = DEFAULT_CHUNK_SIZE,
         storage_options: dict[str, Any] | None = None,
         workers: int | None = None,
+        incremental: bool = True,
+        keyframe_every: int = 10,
+        keyframe_growth: float = 0.9,
     ) -> None:
         self.vault = Vault(url, storage_options, workers)
         self.url = self.vault.url
@@ -51,6 +63,7 @@ class CheckpointManager:
         self._chunk_size = chunk_size
         self._codec_rules = codec_rules
         CodecRules(codec_rules, codec or DEFAULT_CODEC)  # validate early
+        self.delta_policy = DeltaPolicy(incremental, keyframe_every, keyframe_growth)
 
     # -- saving ------------------------------------------------------------
     def save(
@@ -79,8 +92,10 @@ class CheckpointManager:
         snapshot = take_snapshot(state, rules, allow_pickle=allow_pickle, copy=False)
         handle.staged.set_result(None)
         try:
-            chunks, pieces = write_chunks(self.vault, snapshot, progress)
-            manifest = build_manifest(step, snapshot, chunks, pieces, metrics, metadata)
+            delta = delta_context(self.vault, self.delta_policy, step)
+            chunks, pieces = write_chunks(self.vault, snapshot, progress, delta)
+            manifest = build_manifest(step, snapshot, chunks, pieces, metrics, metadata,
+                                      delta.keyframe_step, delta.since_keyframe)
             commit(self.vault, step, manifest, overwrite)
         except BaseException as exc:
             handle.committed.set_exception(exc)
@@ -135,7 +150,8 @@ class CheckpointManager:
     # -- maintenance -------------------------------------------------------
     def delete(self, step: int) -> None:
         """Remove checkpoint ``step`` (its manifest). Chunks it alone used are reclaimed by gc."""
-        self.vault.read_manifest(step)
+        if not self.vault.store.exists(manifest_key(check_step(step))):  # a damaged manifest can still be deleted
+            self.vault.read_manifest(step)  # raises VaultNotFoundError / StepNotFoundError naming the steps
         self.vault.store.delete(manifest_key(step))
 
     def verify(self, step: int | None = None, progress: Progress | None = None) -> VerifyReport:

@@ -21,7 +21,8 @@ from typing import Any
 
 from . import __version__
 from .codecs import chain_for, encode_chain
-from .errors import InvalidArgumentError, ObjectNotFoundError, SaveError, StepExistsError
+from .delta import CLEAR_WIN, BaseRef, DeltaContext, find_bases, xor
+from .errors import CorruptChunkError, InvalidArgumentError, ObjectNotFoundError, SaveError, StepExistsError
 from .format import FORMAT_VERSION
 from .format.chunk_object import ChunkHeader, chunk_id, chunk_key, encode_object
 from .format.manifest import MANIFEST_FORMAT, encode_manifest, manifest_key
@@ -36,12 +37,14 @@ Progress = Callable[[int], None]
 
 @dataclass
 class ChunkResult:
-    """One chunk of a checkpoint: its id, raw and stored sizes, and whether this save wrote it."""
+    """One chunk of a checkpoint: its id, raw and stored sizes, whether this save wrote it,
+    and the chunk its stored object is a delta against (None for a full object)."""
 
     id: str
     raw: int
     stored: int
     new: bool
+    base: str | None = None
 
 
 def pack_threshold(chunk_size: int) -> int:
@@ -49,23 +52,28 @@ def pack_threshold(chunk_size: int) -> int:
     return chunk_size // 4
 
 
-def write_chunks(vault: Vault, snapshot: Snapshot, progress: Progress | None = None
-                 ) -> tuple[list[ChunkResult], list[list[Piece]]]:
+def write_chunks(vault: Vault, snapshot: Snapshot, progress: Progress | None = None,
+                 delta: DeltaContext | None = None) -> tuple[list[ChunkResult], list[list[Piece]]]:
     """Write every chunk of ``snapshot`` the vault lacks. Returns chunk results and per-leaf pieces."""
+    delta = delta or DeltaContext()
     chunk_size = vault.require()["chunk_size"]
     specs = [LeafSpec(r.nbytes, r.itemsize, r.codec) for r in snapshot.records]
     plans, pieces = plan_chunks(specs, chunk_size, pack_threshold(chunk_size))
-    writer = _ChunkWriter(vault, snapshot, progress)
-    results = list(vault.pool.map(writer.write, plans))
+    bases = find_bases(plans, snapshot.records, delta.keyframe) if delta.keyframe else [None] * len(plans)
+    writer = _ChunkWriter(vault, snapshot, progress, delta.known_bases)
+    results = list(vault.pool.map(writer.write, plans, bases))
     return results, pieces
 
 
 class _ChunkWriter:
     """Hash, dedup, encode and store one planned chunk; safe to call from many threads."""
 
-    def __init__(self, vault: Vault, snapshot: Snapshot, progress: Progress | None) -> None:
+    def __init__(self, vault: Vault, snapshot: Snapshot, progress: Progress | None,
+                 known_bases: dict[str, str | None]) -> None:
         self.vault, self.snapshot, self.progress = vault, snapshot, progress
+        self.known_bases = known_bases
         self._claimed: dict[str, threading.Event] = {}
+        self._done: dict[str, tuple[int, str | None]] = {}
         self._lock = threading.Lock()
 
     def _raw(self, plan: ChunkPlan) -> memoryview:
@@ -75,36 +83,60 @@ class _ChunkWriter:
             return views[s.leaf][s.start : s.start + s.length]
         return memoryview(b"".join(views[s.leaf][s.start : s.start + s.length] for s in plan.sources))
 
-    def write(self, plan: ChunkPlan) -> ChunkResult:
+    def write(self, plan: ChunkPlan, base: BaseRef | None) -> ChunkResult:
         raw = self._raw(plan)
         cid = chunk_id(raw)
-        key = chunk_key(cid)
         if self._first_claim(cid):
             try:
-                created, stored = self._store(key, raw, plan)
+                created, stored, stored_base = self._store(cid, raw, plan, base)
+                self._done[cid] = (stored, stored_base)
             finally:
                 self._release(cid)
         else:
             self._wait_for_claim(cid)
-            created, stored = False, self.vault.store.stat(key).size
+            created, (stored, stored_base) = False, self._done[cid]
         if self.progress:
             self.progress(len(raw))
-        return ChunkResult(cid, len(raw), stored, created)
+        return ChunkResult(cid, len(raw), stored, created, stored_base)
 
-    def _store(self, key: str, raw: memoryview, plan: ChunkPlan) -> tuple[bool, int]:
-        """Encode and write the chunk unless the vault has it. Returns (created, stored size)."""
-        store = self.vault.store
+    def _store(self, cid: str, raw: memoryview, plan: ChunkPlan, base: BaseRef | None) -> tuple[bool, int, str | None]:
+        """Encode and write the chunk unless the vault has it. Returns (created, stored size, delta base)."""
+        store, key = self.vault.store, chunk_key(cid)
         if store.exists(key):
             try:
                 store.touch(key)  # protects the reused chunk from gc until this save commits
-                return False, store.stat(key).size
+                return False, store.stat(key).size, self._existing_base(cid)
             except ObjectNotFoundError:
                 pass  # collected between exists() and touch(): write it again
-        header_codec, payload = encode_chain(raw, chain_for(plan.codec, plan.itemsize))
-        data = encode_object(ChunkHeader(codec=header_codec, raw=len(raw)), payload)
+        header, payload = self._encode(raw, plan, base)
+        data = encode_object(header, payload)
         if store.put_if_absent(key, data):
-            return True, len(data)
-        return False, store.stat(key).size
+            return True, len(data), header.base
+        return False, store.stat(key).size, self._existing_base(cid)
+
+    def _encode(self, raw: memoryview, plan: ChunkPlan, base: BaseRef | None) -> tuple[ChunkHeader, bytes | memoryview]:
+        """Delta-encode against ``base`` when that is smaller than the chunk on its own, else encode in full."""
+        stages = chain_for(plan.codec, plan.itemsize)
+        if base is not None:
+            try:
+                base_raw = self.vault.read_chunk(base.id)
+            except (ObjectNotFoundError, CorruptChunkError) as exc:
+                log.warning("cannot use delta base %s (%s); storing the chunk in full", base.id, exc)
+            else:
+                codec, payload = encode_chain(xor(raw, base_raw), stages)
+                if len(payload) < CLEAR_WIN * base.stored:
+                    return ChunkHeader(codec=codec, raw=len(raw), base=base.id), payload
+                full_codec, full_payload = encode_chain(raw, stages)
+                if len(payload) < len(full_payload):
+                    return ChunkHeader(codec=codec, raw=len(raw), base=base.id), payload
+                return ChunkHeader(codec=full_codec, raw=len(raw)), full_payload
+        codec, payload = encode_chain(raw, stages)
+        return ChunkHeader(codec=codec, raw=len(raw)), payload
+
+    def _existing_base(self, cid: str) -> str | None:
+        if cid in self.known_bases:
+            return self.known_bases[cid]
+        return self.vault.chunk_base(cid)
 
     def _first_claim(self, cid: str) -> bool:
         with self._lock:
@@ -126,15 +158,24 @@ class _ChunkWriter:
 
 
 def build_manifest(step: int, snapshot: Snapshot, chunks: list[ChunkResult], pieces: list[list[Piece]],
-                   metrics: dict[str, Any] | None, metadata: dict[str, Any] | None) -> dict[str, Any]:
-    """The manifest body: every tensor, the unique chunks they use, and the statistics."""
+                   metrics: dict[str, Any] | None, metadata: dict[str, Any] | None,
+                   keyframe_step: int | None = None, since_keyframe: int = 0) -> dict[str, Any]:
+    """The manifest body: every tensor, the unique chunks they use, and the statistics.
+
+    ``keyframe_step`` is the keyframe whose chunks this checkpoint's deltas are
+    against (None: this checkpoint is a keyframe); ``since_keyframe`` counts
+    checkpoints since it.
+    """
     index_of: dict[str, int] = {}
     table: list[dict[str, Any]] = []
     remap: list[int] = []
     for result in chunks:
         if result.id not in index_of:
             index_of[result.id] = len(table)
-            table.append({"id": result.id, "raw": result.raw, "stored": result.stored, "new": result.new})
+            entry = {"id": result.id, "raw": result.raw, "stored": result.stored, "new": result.new}
+            if result.base is not None:
+                entry["base"] = result.base
+            table.append(entry)
         elif result.new:
             table[index_of[result.id]]["new"] = True
         remap.append(index_of[result.id])
@@ -157,6 +198,8 @@ def build_manifest(step: int, snapshot: Snapshot, chunks: list[ChunkResult], pie
         "logical_bytes": snapshot.logical_bytes, "stored_bytes": sum(c["stored"] for c in table),
         "added_bytes": sum(c["stored"] for c in table if c["new"]),
         "metrics": _json_only(metrics or {}, "metrics"), "metadata": _json_only(metadata or {}, "metadata"),
+        "keyframe_step": step if keyframe_step is None else keyframe_step,
+        "since_keyframe": 0 if keyframe_step is None else since_keyframe,
         "tree": snapshot.tree, "tensors": tensors, "chunks": table,
     }
 

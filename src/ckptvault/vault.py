@@ -23,6 +23,7 @@ from typing import Any
 
 from .codecs import DEFAULT_CODEC, validate_codec_name
 from .errors import (
+    CorruptChunkError,
     CorruptManifestError,
     FormatVersionError,
     InvalidArgumentError,
@@ -31,7 +32,7 @@ from .errors import (
     VaultNotFoundError,
 )
 from .format import FORMAT_VERSION
-from .format.chunk_object import chunk_key, decode_object
+from .format.chunk_object import chunk_key, decode_payload, header_length, parse_object
 from .format.manifest import decode_manifest, manifest_key, step_of_key
 from .stores import Store, open_store
 
@@ -112,8 +113,32 @@ class Vault:
         return manifest
 
     def read_chunk(self, cid: str) -> bytes | memoryview:
-        """Raw bytes of a chunk, verified against its hash."""
-        return decode_object(cid, self.store.get(chunk_key(cid)))
+        """Raw bytes of a chunk, verified against its hash; a delta is applied to its base.
+
+        Reads one object, or two for a delta (whose base must be a full chunk:
+        restore chains are never longer). Raises CorruptChunkError,
+        ObjectNotFoundError if the chunk itself is missing.
+        """
+        header, payload = parse_object(cid, self.store.get(chunk_key(cid)))
+        base_raw = None
+        if header.base is not None:
+            try:
+                base_header, base_payload = parse_object(header.base, self.store.get(chunk_key(header.base)))
+            except ObjectNotFoundError:
+                raise CorruptChunkError(cid, f"its delta base {header.base} is missing") from None
+            if base_header.base is not None:
+                raise CorruptChunkError(cid, f"its delta base {header.base} is itself a delta (chains are limited to 1)")
+            base_raw = decode_payload(header.base, base_header, base_payload)
+        return decode_payload(cid, header, payload, base_raw)
+
+    def chunk_base(self, cid: str) -> str | None:
+        """The delta base of a stored chunk object (None for a full chunk), from its header alone."""
+        key = chunk_key(cid)
+        prefix = self.store.get_range(key, 0, 1024)
+        needed = header_length(prefix)
+        if needed > len(prefix):
+            prefix = self.store.get_range(key, 0, needed)
+        return parse_object(cid, prefix)[0].base
 
     # -- workers -----------------------------------------------------------
     @property

@@ -82,22 +82,37 @@ def parse_object(cid: str, data: bytes) -> tuple[ChunkHeader, memoryview]:
     return header, memoryview(data)[end:]
 
 
-def decode_object(cid: str, data: bytes, base_raw: bytes | memoryview | None = None) -> bytes | memoryview:
-    """Decode a chunk object and verify its hash. Returns the raw bytes.
+def decode_payload(cid: str, header: ChunkHeader, payload: memoryview,
+                   base_raw: bytes | memoryview | None = None) -> bytes | memoryview:
+    """Run the codec stages in reverse, apply the delta base if any, and verify the hash.
 
-    Raises CorruptChunkError on any mismatch; ``base_raw`` is required for deltas.
+    Returns the raw bytes; raises CorruptChunkError on any mismatch.
     """
-    header, payload = parse_object(cid, data)
     try:
-        raw = decode_chain(payload, header.codec, header.raw)
+        data = decode_chain(payload, header.codec, header.raw)
     except FormatVersionError:
         raise
     except Exception as exc:  # any decoder failure means damaged bytes
         raise CorruptChunkError(cid, f"payload does not decode ({type(exc).__name__}: {exc})") from None
+    if len(data) != header.raw:
+        raise CorruptChunkError(cid, f"decoded to {len(data)} bytes, header says {header.raw}")
     if header.base is not None:
-        raise FormatVersionError(f"chunk {cid} is a delta; this ckptvault does not read delta chunks")
-    if len(raw) != header.raw:
-        raise CorruptChunkError(cid, f"decoded to {len(raw)} bytes, header says {header.raw}")
-    if chunk_id(raw) != cid:
+        if base_raw is None or len(base_raw) != header.raw:
+            raise CorruptChunkError(cid, f"delta base {header.base} is missing or has the wrong length")
+        from ..delta import xor
+
+        data = xor(data, base_raw)
+    if chunk_id(data) != cid:
         raise CorruptChunkError(cid, "BLAKE3 hash of the decoded bytes does not match the chunk name")
-    return raw
+    return data
+
+
+def decode_object(cid: str, data: bytes, base_raw: bytes | memoryview | None = None) -> bytes | memoryview:
+    """Decode a whole chunk object (``base_raw``: raw bytes of its base, for a delta) and verify it."""
+    header, payload = parse_object(cid, data)
+    return decode_payload(cid, header, payload, base_raw)
+
+
+def header_length(prefix: bytes) -> int:
+    """Total bytes of fixed prefix + JSON header, from at least the first 8 bytes of an object."""
+    return _PREFIX.size + _PREFIX.unpack_from(prefix)[3]

@@ -1,0 +1,169 @@
+"""Incremental checkpoints: XOR deltas of chunks against a keyframe.
+
+A *keyframe* is a checkpoint stored without deltas. Every later checkpoint,
+until the next keyframe, may store a changed chunk as the XOR of its raw bytes
+with the chunk that held the same region in the keyframe, followed by the
+usual lossless stages. XOR of two nearby float states leaves the sign,
+exponent and high mantissa bits mostly zero, which compresses well.
+
+Invariants (docs/DESIGN.md):
+
+* A delta's base is always a full (non-delta) chunk object, so restoring any
+  chunk reads at most two objects: restore chains have length <= 1.
+* A delta is named, like every chunk, by the hash of its *reconstructed* raw
+  bytes, and verified against it after the XOR.
+* The manifest records each delta's base chunk id (``"base"``), so garbage
+  collection keeps a base alive as long as any delta needs it, whatever
+  happens to the keyframe's own manifest.
+
+The keyframe cadence: a new keyframe every ``every`` checkpoints, or as soon as
+the previous checkpoint's added bytes exceed ``growth`` x the keyframe's stored
+bytes, or when there is no usable keyframe.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from .errors import InvalidArgumentError, VaultError
+from .layout import ChunkPlan
+from .snapshot import ArrayRecord
+
+if TYPE_CHECKING:
+    from .vault import Vault
+
+log = logging.getLogger(__name__)
+
+#: a delta this much smaller than the base chunk's own encoding is kept without
+#: also encoding the chunk in full to compare
+CLEAR_WIN = 0.9
+
+
+@dataclass(frozen=True)
+class DeltaPolicy:
+    """When to write a keyframe. ``enabled=False`` stores every checkpoint in full."""
+
+    enabled: bool = True
+    every: int = 10
+    growth: float = 0.9
+
+    def __post_init__(self) -> None:
+        if self.every < 1:
+            raise InvalidArgumentError(f"keyframe_every must be >= 1, got {self.every}")
+        if not 0 < self.growth:
+            raise InvalidArgumentError(f"keyframe_growth must be > 0, got {self.growth}")
+
+    def needs_keyframe(self, latest: dict[str, Any] | None, keyframe: dict[str, Any] | None) -> bool:
+        """True if the next checkpoint should be a keyframe, given the latest manifest and its keyframe's."""
+        if not self.enabled or latest is None or keyframe is None:
+            return True
+        if latest.get("since_keyframe", 0) + 1 >= self.every:
+            return True
+        if latest is keyframe or latest["step"] == keyframe["step"]:
+            return False
+        return latest["added_bytes"] > self.growth * max(keyframe["stored_bytes"], 1)
+
+
+@dataclass
+class DeltaContext:
+    """What one save may delta-encode against.
+
+    ``keyframe``: the keyframe's manifest, or None when this save writes a
+    keyframe. ``known_bases``: chunk id -> delta base (or None) for chunks of
+    recent manifests, so reusing them needs no header read.
+    """
+
+    keyframe: dict[str, Any] | None = None
+    known_bases: dict[str, str | None] = field(default_factory=dict)
+    since_keyframe: int = 0
+
+    @property
+    def keyframe_step(self) -> int | None:
+        return None if self.keyframe is None else self.keyframe["step"]
+
+
+def delta_context(vault: Vault, policy: DeltaPolicy, step: int) -> DeltaContext:
+    """Decide whether checkpoint ``step`` is a keyframe and, if not, against which keyframe.
+
+    Reads at most two manifests (the latest committed before ``step`` and its
+    keyframe). A keyframe that was deleted, or any unreadable manifest, simply
+    makes this save a keyframe.
+    """
+    earlier = [s for s in vault.steps() if s < step]
+    if not policy.enabled or not earlier:
+        return DeltaContext()
+    try:
+        latest = vault.read_manifest(earlier[-1])
+        key_step = latest.get("keyframe_step", latest["step"])
+        keyframe = latest if key_step == latest["step"] else vault.read_manifest(key_step)
+    except VaultError as exc:
+        log.info("writing a keyframe: no usable previous keyframe (%s)", exc)
+        return DeltaContext()
+    known = {c["id"]: c.get("base") for m in (keyframe, latest) for c in m["chunks"]}
+    if policy.needs_keyframe(latest, keyframe):
+        return DeltaContext(known_bases=known)
+    return DeltaContext(keyframe, known, latest.get("since_keyframe", 0) + 1)
+
+
+@dataclass(frozen=True)
+class BaseRef:
+    """The keyframe chunk a planned chunk may be delta-encoded against."""
+
+    id: str
+    stored: int
+
+
+def find_bases(plans: list[ChunkPlan], records: list[ArrayRecord], keyframe: dict[str, Any]
+               ) -> list[BaseRef | None]:
+    """For each planned chunk, the keyframe chunk that held exactly the same region, if any.
+
+    A region matches when every array in the chunk has the same key path,
+    dtype and shape in the keyframe and sits at the same offset of one full
+    (non-delta) keyframe chunk of the same length.
+    """
+    by_path = {t["path"]: t for t in keyframe["tensors"]}
+    chunks = keyframe["chunks"]
+    bases: list[BaseRef | None] = []
+    for plan in plans:
+        candidate: int | None = None
+        offset = 0
+        for source in plan.sources:
+            located = _locate(by_path.get(records[source.leaf].path), records[source.leaf], source.start, source.length)
+            if located is None or located[1] != offset or candidate not in (None, located[0]):
+                candidate = None
+                break
+            candidate = located[0]
+            offset += source.length
+        entry = chunks[candidate] if candidate is not None else None
+        usable = entry is not None and entry.get("base") is None and entry["raw"] == plan.nbytes
+        bases.append(BaseRef(entry["id"], entry["stored"]) if usable else None)
+    return bases
+
+
+def _locate(base: dict[str, Any] | None, record: ArrayRecord, start: int, length: int) -> tuple[int, int] | None:
+    """(chunk index, offset in chunk) of bytes [start, start+length) of ``base``, if in one piece."""
+    if base is None or base["kind"] != record.kind or base["dtype"] != record.dtype or base["shape"] != record.shape:
+        return None
+    position = 0
+    for chunk, offset, piece_length in base["pieces"]:
+        if position == start:
+            return (chunk, offset) if piece_length == length else None
+        position += piece_length
+    return None
+
+
+def xor(data: bytes | memoryview, base: bytes | memoryview) -> memoryview:
+    """Bytewise XOR of two equal-length buffers (its own inverse)."""
+    a = np.frombuffer(data, dtype=np.uint8)
+    b = np.frombuffer(base, dtype=np.uint8)
+    if a.shape != b.shape:
+        raise ValueError(f"delta and base differ in length ({a.size} vs {b.size})")
+    wide = a.size - a.size % 8
+    out = np.empty_like(a)
+    np.bitwise_xor(a[:wide].view(np.uint64), b[:wide].view(np.uint64), out=out[:wide].view(np.uint64))
+    np.bitwise_xor(a[wide:], b[wide:], out=out[wide:])
+    return memoryview(out)
