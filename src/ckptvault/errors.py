@@ -121,6 +121,23 @@ class SaveError(VaultError):
     """A save failed; nothing was committed for its step."""
 
 
+class MaintenanceRefusedError(VaultError):
+    """prune or gc refused to run: some manifests cannot be read, so what they reference is unknown.
+
+    Nothing was deleted. ``problems`` maps each unreadable step to what is wrong with it.
+    """
+
+    def __init__(self, problems: dict[int, str], url: str) -> None:
+        self.problems = dict(problems)
+        steps = sorted(problems)
+        first = problems[steps[0]]
+        super().__init__(
+            f"refusing to collect garbage or prune in {url}: the manifests of steps {_short_list(steps)} cannot be "
+            f"read (step {steps[0]}: {first}), so the chunks they reference are unknown; nothing was deleted. "
+            "Run `ckptvault verify`, then delete or restore those steps (`ckptvault rm URL STEP`) and run again"
+        )
+
+
 def _short_list(values: list[int], limit: int = 8) -> str:
     if len(values) <= limit:
         return ", ".join(map(str, values))

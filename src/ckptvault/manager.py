@@ -13,6 +13,7 @@ from .errors import StepExistsError, VaultNotFoundError
 from .format.manifest import manifest_key
 from .handle import SaveHandle
 from .info import CheckpointInfo, info_from_manifest
+from .maintenance import MaintenanceMixin, Retention, apply_retention
 from .restore import restore_into, restore_tree
 from .rules import CodecRules
 from .save import build_manifest, check_step, commit, write_chunks
@@ -26,7 +27,7 @@ log = logging.getLogger(__name__)
 Progress = Callable[[int], None]
 
 
-class CheckpointManager:
+class CheckpointManager(MaintenanceMixin):
     """Save, list, inspect and restore checkpoints in one vault.
 
     ``url`` is a local path, ``file://``, or ``memory://`` URL (or a Store).
@@ -56,6 +57,7 @@ class CheckpointManager:
         incremental: bool = True,
         keyframe_every: int = 10,
         keyframe_growth: float = 0.9,
+        retention: Any = None,
     ) -> None:
         self.vault = Vault(url, storage_options, workers)
         self.url = self.vault.url
@@ -64,6 +66,7 @@ class CheckpointManager:
         self._codec_rules = codec_rules
         CodecRules(codec_rules, codec or DEFAULT_CODEC)  # validate early
         self.delta_policy = DeltaPolicy(incremental, keyframe_every, keyframe_growth)
+        self.retention = Retention.coerce(retention)
 
     # -- saving ------------------------------------------------------------
     def save(
@@ -101,6 +104,8 @@ class CheckpointManager:
             handle.committed.set_exception(exc)
             raise
         handle.committed.set_result(info_from_manifest(manifest))
+        if self.retention is not None:  # only now that the checkpoint is durable
+            apply_retention(self.vault, self.retention, step)
         return handle
 
     def wait(self) -> None:
