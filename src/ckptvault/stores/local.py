@@ -99,10 +99,11 @@ class LocalStore(Store):
         tmp = self._write_temp(data)
         try:
             with _classified(key):
-                os.link(tmp, final)
-            created = True
-        except FileExistsError:
-            created = False
+                try:
+                    os.link(tmp, final)
+                    created = True
+                except FileExistsError:  # a concurrent writer won; inside _classified, which would wrap it
+                    created = False
         finally:
             _unlink_quietly(tmp)
         if created:
@@ -110,7 +111,7 @@ class LocalStore(Store):
         return created
 
     def exists(self, key: str) -> bool:
-        return self._path(key).exists()
+        return self._path(key).is_file()  # a key prefix ("chunks") is a directory, not an object
 
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
         base_dir = prefix.rsplit("/", 1)[0] if "/" in prefix else ""

@@ -13,6 +13,7 @@ from ..errors import ObjectNotFoundError
 from .base import ObjectInfo, Store
 
 _SHARED: dict[str, dict[str, tuple[bytes, float]]] = {}
+_LOCKS: dict[str, threading.Lock] = {}  # one per name: put_if_absent must exclude every handle of that name
 _SHARED_LOCK = threading.Lock()
 
 
@@ -23,7 +24,7 @@ class MemoryStore(Store):
         self.url = f"memory://{name}"
         with _SHARED_LOCK:
             self._objects = _SHARED.setdefault(name, {})
-        self._lock = threading.Lock()
+            self._lock = _LOCKS.setdefault(name, threading.Lock())
 
     def get(self, key: str) -> bytes:
         try:
