@@ -3,8 +3,8 @@
 Named codecs (per vault, overridable per tensor by key-path rules):
 
 =========  ====================================================
-``zstd``   byte shuffle by element size, then zstd level 1 (default)
-``lz4``    byte shuffle, then LZ4 (faster, compresses less)
+``zstd``   byte planes by element size, zstd level 1 on planes that pay (default)
+``lz4``    byte planes, LZ4 on planes that pay (faster, compresses less)
 ``none``   stored raw; ``fast`` is an alias, for fast local disks
 =========  ====================================================
 
@@ -19,10 +19,14 @@ import re
 from ..errors import InvalidArgumentError
 from .base import BytesStage, Spec, stage_from_spec
 from .lz4 import Lz4
+from .planes import BytePlanes
 from .shuffle import Shuffle
 from .zstd import Zstd
 
-__all__ = ["CODEC_NAMES", "BytesStage", "Spec", "chain_for", "decode_chain", "encode_chain", "stage_from_spec"]
+__all__ = [
+    "CODEC_NAMES", "BytePlanes", "BytesStage", "Shuffle", "Spec", "chain_for", "decode_chain", "encode_chain",
+    "stage_from_spec",
+]
 
 CODEC_NAMES = ("zstd", "lz4", "none", "fast")
 DEFAULT_CODEC = "zstd"
@@ -42,11 +46,9 @@ def chain_for(name: str, itemsize: int) -> list[BytesStage]:
     name = validate_codec_name(name)
     if name in ("none", "fast"):
         return []
-    shuffle: list[BytesStage] = [Shuffle(itemsize)] if itemsize > 1 else []
-    if name == "lz4":
-        return [*shuffle, Lz4()]
     level = int(name[5:]) if name.startswith("zstd-") else 1
-    return [*shuffle, Zstd(level)]
+    inner: BytesStage = Lz4() if name == "lz4" else Zstd(level)
+    return [BytePlanes(itemsize, inner)]
 
 
 def encode_chain(raw: memoryview, stages: list[BytesStage]) -> tuple[list[Spec], bytes | memoryview]:
