@@ -1,0 +1,86 @@
+"""Shared benchmark plumbing: cold-cache timing, medians, the machine's description."""
+
+from __future__ import annotations
+
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+def drop_caches() -> bool:
+    """Write back dirty pages and drop the page cache; False if not permitted (then reads may be warm)."""
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
+@dataclass
+class Timing:
+    """Wall and CPU seconds of one measured operation, over several runs."""
+
+    wall: list[float] = field(default_factory=list)
+    cpu: list[float] = field(default_factory=list)
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.wall)
+
+    @property
+    def cpu_median(self) -> float:
+        return statistics.median(self.cpu)
+
+
+def timed(fn: Callable[[], Any], timing: Timing, cold: bool) -> Any:
+    """Run ``fn`` once (after dropping the page cache when ``cold``), adding its times to ``timing``."""
+    if cold:
+        drop_caches()
+    wall0, cpu0 = time.perf_counter(), time.process_time()
+    result = fn()
+    timing.wall.append(time.perf_counter() - wall0)
+    timing.cpu.append(time.process_time() - cpu0)
+    return result
+
+
+def fresh_dir(path: Path) -> Path:
+    """``path``, emptied."""
+    if path.exists():
+        shutil.rmtree(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def machine() -> dict[str, Any]:
+    """What the numbers were measured on."""
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    cpu = "?"
+    try:
+        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    import torch
+
+    return {
+        "cpus": os.cpu_count(), "cpu_model": cpu, "memory_gib": round(mem / 2**30, 1),
+        "disk": _disk_of(Path(__file__).parent), "python": platform.python_version(), "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(), "kernel": platform.release(),
+    }
+
+
+def _disk_of(path: Path) -> str:
+    try:
+        out = subprocess.run(["df", "-hT", str(path)], capture_output=True, text=True, check=True).stdout.splitlines()[-1]
+        dev, fstype, size = out.split()[:3]
+        return f"{dev} ({fstype}, {size})"
+    except (OSError, subprocess.CalledProcessError, ValueError):
+        return "?"
