@@ -102,6 +102,7 @@ class Vault:
 
     def read_manifest(self, step: int) -> dict[str, Any]:
         """The verified manifest of ``step``; StepNotFoundError if not committed."""
+        self.descriptor()  # raises FormatVersionError for a vault of a newer format before anything is read
         try:
             data = self.store.get(manifest_key(step))
         except ObjectNotFoundError:
