@@ -1,0 +1,327 @@
+"""Every deliberate error: its type (and the builtin it also is) and a message that says what and where."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import ckptvault
+from ckptvault.errors import (
+    CorruptChunkError,
+    CorruptManifestError,
+    FormatVersionError,
+    InvalidArgumentError,
+    KeyMismatchError,
+    PickleNotAllowedError,
+    StepExistsError,
+    StepNotFoundError,
+    UnsupportedObjectError,
+    VaultError,
+    VaultNotFoundError,
+)
+from ckptvault.format.chunk_object import ChunkHeader, encode_object
+from ckptvault.format.manifest import decode_manifest, encode_manifest
+from conftest import assert_same_state
+
+
+def _state() -> dict[str, Any]:
+    gen = torch.Generator().manual_seed(0)
+    return {"model": {"w": torch.randn(256, 256, generator=gen), "b": torch.zeros(4)}, "step": 5}
+
+
+@pytest.fixture
+def saved(local_url: str) -> tuple[str, dict[str, Any], dict[str, Any]]:
+    """A local vault with step 5; returns (url, state, manifest)."""
+    state = _state()
+    with ckptvault.CheckpointManager(local_url, chunk_size=64 << 10) as mgr:
+        mgr.save(5, state).wait()
+        return local_url, state, mgr.manifest(5)
+
+
+def _chunk_path(url: str, manifest: dict[str, Any], tensor: str, piece: int = 0) -> tuple[str, Path]:
+    entry = next(t for t in manifest["tensors"] if t["path"] == tensor)
+    cid = manifest["chunks"][entry["pieces"][piece][0]]["id"]
+    return cid, Path(url) / "chunks" / cid[:2] / cid
+
+
+def _manifest_path(url: str, step: int) -> Path:
+    return Path(url) / "manifests" / f"{step:020d}.json"
+
+
+# -- damaged data -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("where", ["header", "payload", "last"])
+def test_flipped_chunk_byte_names_step_tensor_and_chunk(saved: tuple[str, Any, Any], where: str) -> None:
+    url, _state_, manifest = saved
+    cid, path = _chunk_path(url, manifest, "model.w", piece=2)
+    data = bytearray(path.read_bytes())
+    index = {"header": 10, "payload": len(data) // 2, "last": len(data) - 1}[where]
+    data[index] ^= 0x01
+    path.write_bytes(bytes(data))
+    with ckptvault.CheckpointManager(url) as mgr, pytest.raises(CorruptChunkError) as info:
+        mgr.restore(5)
+    message = str(info.value)
+    assert f"chunk {cid} is corrupt (needed by step 5, tensor 'model.w')" in message
+    assert isinstance(info.value, ValueError) and isinstance(info.value, VaultError)
+    assert (info.value.step, info.value.tensor, info.value.chunk) == (5, "model.w", cid)
+    with ckptvault.CheckpointManager(url) as mgr:
+        report = mgr.verify()
+        assert not report.ok and cid in " ".join(report.problems[5])
+        assert_same_state({"model": {"b": torch.zeros(4)}, "step": 5}, mgr.restore(5, keys=["model.b", "step"]))
+
+
+def test_missing_chunk_names_step_tensor_and_chunk(saved: tuple[str, Any, Any]) -> None:
+    url, _state_, manifest = saved
+    cid, path = _chunk_path(url, manifest, "model.w")
+    path.unlink()
+    expected = f"chunk {cid} is corrupt (needed by step 5, tensor 'model.w'): the chunk object is missing"
+    with ckptvault.CheckpointManager(url) as mgr, pytest.raises(CorruptChunkError, match=re.escape(expected)):
+        mgr.restore(5)
+
+
+def test_truncated_chunk_object(saved: tuple[str, Any, Any]) -> None:
+    url, _state_, manifest = saved
+    cid, path = _chunk_path(url, manifest, "model.w")
+    path.write_bytes(path.read_bytes()[:5])
+    with ckptvault.CheckpointManager(url) as mgr, pytest.raises(CorruptChunkError, match="shorter than its fixed header"):
+        mgr.restore(5)
+
+
+@pytest.mark.parametrize("cut", [0, 10, 100, -1, -50])
+def test_truncated_manifest(saved: tuple[str, Any, Any], cut: int) -> None:
+    url = saved[0]
+    path = _manifest_path(url, 5)
+    path.write_bytes(path.read_bytes()[:cut])
+    with ckptvault.CheckpointManager(url) as mgr, pytest.raises(CorruptManifestError, match=r"manifest manifests/0+5\.json in .* "
+                                                                                           r"(is truncated|fails its BLAKE3)"):
+        mgr.restore(5)
+
+
+@pytest.mark.parametrize("position", ["checksum", "body", "end"])
+def test_flipped_manifest_byte(saved: tuple[str, Any, Any], position: str) -> None:
+    url = saved[0]
+    path = _manifest_path(url, 5)
+    data = bytearray(path.read_bytes())
+    index = {"checksum": 20, "body": len(data) // 2, "end": len(data) - 2}[position]
+    data[index] = ord("0") if data[index] != ord("0") else ord("1")
+    path.write_bytes(bytes(data))
+    with ckptvault.CheckpointManager(url) as mgr:
+        with pytest.raises(CorruptManifestError, match="fails its BLAKE3 checksum: it was damaged after writing") as info:
+            mgr.restore(5)
+        assert isinstance(info.value, ValueError)
+        with pytest.raises(CorruptManifestError):
+            mgr.info(5)
+        assert not mgr.verify().ok
+
+
+def test_manifest_naming_another_step(saved: tuple[str, Any, Any]) -> None:
+    url = saved[0]
+    _manifest_path(url, 5).rename(_manifest_path(url, 6))
+    with ckptvault.CheckpointManager(url) as mgr, pytest.raises(CorruptManifestError, match=r"names step 5"):
+        mgr.restore(6)
+
+
+# -- format versions ----------------------------------------------------------------------------------
+
+def test_future_vault_descriptor(saved: tuple[str, Any, Any]) -> None:
+    url = saved[0]
+    path = Path(url) / "vault.json"
+    desc = json.loads(path.read_text())
+    desc["version"] = 99
+    path.write_text(json.dumps(desc))
+    for action in (lambda m: m.restore(5), lambda m: m.save(6, {"x": 1})):
+        with ckptvault.CheckpointManager(url) as mgr, pytest.raises(FormatVersionError,
+                                                                    match=r"uses format version 99; this ckptvault reads "
+                                                                          r"up to 1: upgrade"):
+            action(mgr)
+
+
+def test_future_manifest_version(saved: tuple[str, Any, Any]) -> None:
+    url = saved[0]
+    path = _manifest_path(url, 5)
+    body = decode_manifest(path.read_bytes(), "test")
+    body["version"] = 7
+    path.write_bytes(encode_manifest(body))  # valid checksum: only the version is new
+    with ckptvault.CheckpointManager(url) as mgr, pytest.raises(FormatVersionError, match=r"manifest .* uses format version 7"):
+        mgr.restore(5)
+
+
+def test_future_chunk_version(saved: tuple[str, Any, Any]) -> None:
+    url, _state_, manifest = saved
+    cid, path = _chunk_path(url, manifest, "model.w")
+    data = bytearray(path.read_bytes())
+    data[4] = 2  # the format version byte
+    path.write_bytes(bytes(data))
+    with ckptvault.CheckpointManager(url) as mgr, pytest.raises(FormatVersionError,
+                                                                match=f"chunk {cid} uses chunk format version 2"):
+        mgr.restore(5)
+
+
+def test_unknown_codec_stage(saved: tuple[str, Any, Any]) -> None:
+    url, _state_, manifest = saved
+    cid, path = _chunk_path(url, manifest, "model.w")
+    path.write_bytes(encode_object(ChunkHeader(codec=[{"id": "brotli-9000"}], raw=64 << 10), b"\x00" * 10))
+    with ckptvault.CheckpointManager(url) as mgr, pytest.raises(FormatVersionError, match="unknown codec stage 'brotli-9000'"):
+        mgr.restore(5)
+
+
+# -- steps and vaults -------------------------------------------------------------------------------
+
+def test_step_exists_unless_overwrite(vault_url: str) -> None:
+    with ckptvault.CheckpointManager(vault_url) as mgr:
+        mgr.save(3, {"x": torch.ones(2)})
+        with pytest.raises(StepExistsError, match=r"step 3 is already committed in .*; pass overwrite=True") as info:
+            mgr.save(3, {"x": torch.zeros(2)})
+        assert isinstance(info.value, FileExistsError) and info.value.step == 3
+        assert_same_state({"x": torch.ones(2)}, mgr.restore(3))
+        mgr.save(3, {"x": torch.zeros(2), "y": "new"}, overwrite=True, metrics={"v": 2}).wait()
+        assert_same_state({"x": torch.zeros(2), "y": "new"}, mgr.restore(3))
+        assert mgr.steps() == [3] and mgr.info(3).metrics == {"v": 2}
+
+
+def test_step_not_found_lists_available_steps(vault_url: str) -> None:
+    with ckptvault.CheckpointManager(vault_url) as mgr:
+        for step in (10, 20, 30):
+            mgr.save(step, {"s": step})
+        expected = r"step 15 has no committed checkpoint in .*; committed steps: 10, 20, 30"
+        with pytest.raises(StepNotFoundError, match=expected) as info:
+            mgr.restore(15)
+        assert isinstance(info.value, FileNotFoundError) and info.value.step == 15
+        with pytest.raises(StepNotFoundError, match="step 99"):
+            mgr.info(99)
+        with pytest.raises(StepNotFoundError, match="step 99"):
+            mgr.delete(99)
+    with pytest.raises(StepNotFoundError, match="committed steps: 10, 20, 30"):
+        ckptvault.load(vault_url, 7)
+
+
+def test_vault_not_found(tmp_path: Path, memory_url: str) -> None:
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    for url in (str(empty), str(tmp_path / "does-not-exist"), memory_url):
+        with pytest.raises(VaultNotFoundError, match="no ckptvault vault at") as info:
+            ckptvault.load(url)
+        assert isinstance(info.value, FileNotFoundError)
+        with pytest.raises(VaultNotFoundError):
+            ckptvault.load(url, 3)
+        with ckptvault.CheckpointManager(url) as mgr:
+            assert mgr.steps() == [] and mgr.latest_step() is None
+    assert list(empty.iterdir()) == []  # reading created nothing
+
+
+# -- unsupported values and pickle ---------------------------------------------------------------------
+
+class _Custom:
+    pass
+
+
+@pytest.mark.parametrize(("state", "path", "kind"), [
+    ({"a": {"b": {1, 2}}}, "a.b", "builtins.set"),
+    ({"opt": [0, _Custom()]}, "opt.1", "test_errors._Custom"),
+    ({"arr": np.array(["x", None], dtype=object)}, "arr", "numpy.ndarray"),
+    ({"strs": np.array(["ab", "c"])}, "strs", "numpy.ndarray"),
+    ({"k": {(1, 2): 3}}, "k.(1, 2)", "builtins.tuple"),
+    ({"sparse": torch.eye(3).to_sparse()}, "sparse", "torch.Tensor"),
+    ({"f": lambda: 1}, "f", "builtins.function"),
+])
+def test_unsupported_object_names_key_path(memory_url: str, state: dict[str, Any], path: str, kind: str) -> None:
+    with ckptvault.CheckpointManager(memory_url) as mgr:
+        with pytest.raises(UnsupportedObjectError) as info:
+            mgr.save(1, state)
+        assert f"cannot store {kind} at key path {path!r}" in str(info.value)
+        assert "allow_pickle=True" in str(info.value)
+        assert isinstance(info.value, TypeError) and info.value.path == path
+        assert mgr.steps() == []  # nothing committed
+
+
+def test_pickle_not_allowed(memory_url: str) -> None:
+    with ckptvault.CheckpointManager(memory_url) as mgr:
+        mgr.save(1, {"cfg": {"tags": {"a"}}, "w": torch.ones(1)}, allow_pickle=True)
+        with pytest.raises(PickleNotAllowedError, match=r"key path 'cfg.tags' was saved with pickle; pass allow_pickle=True"):
+            mgr.restore(1)
+        with pytest.raises(PickleNotAllowedError):
+            mgr.restore(1, keys=["cfg"])
+
+
+# -- restore arguments ---------------------------------------------------------------------------------
+
+def test_into_shape_and_dtype_mismatch(memory_url: str) -> None:
+    with ckptvault.CheckpointManager(memory_url) as mgr:
+        mgr.save(1, {"model": {"w": torch.ones(2, 3), "b": torch.ones(3)}})
+        with pytest.raises(KeyMismatchError, match=re.escape("'w': saved float32[2, 3], target is float32[3, 2]")) as info:
+            mgr.restore(1, into={"w": torch.zeros(3, 2), "b": torch.zeros(3)})
+        assert isinstance(info.value, KeyError)
+        with pytest.raises(KeyMismatchError, match=re.escape("'b': saved float32[3], target is float64[3]")):
+            mgr.restore(1, into={"w": torch.zeros(2, 3), "b": torch.zeros(3, dtype=torch.float64)})
+
+
+def test_into_unknown_and_missing_keys(memory_url: str) -> None:
+    with ckptvault.CheckpointManager(memory_url) as mgr:
+        mgr.save(1, {"model": {"w": torch.ones(2), "b": torch.ones(1)}})
+        with pytest.raises(KeyMismatchError, match=r"into= tensors \['nope'\] are not in the checkpoint"):
+            mgr.restore(1, into={"nope": torch.zeros(2)})
+        with pytest.raises(KeyMismatchError, match=r"holds 1 tensors under 'model' that into= lacks, such as \['model.b'\]"):
+            mgr.restore(1, into={"w": torch.zeros(2)})
+        target = {"w": torch.zeros(2)}
+        mgr.restore(1, into=target, strict=False)
+        assert torch.equal(target["w"], torch.ones(2))
+        with pytest.raises(KeyMismatchError, match=r"no key path matches \['opt.\*'\]; top-level keys are \['model'\]"):
+            mgr.restore(1, keys=["opt.*"])
+
+
+# -- bad arguments ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("step", [-1, "3", 2.0, None, True])
+def test_bad_step(memory_url: str, step: Any) -> None:
+    with ckptvault.CheckpointManager(memory_url) as mgr:
+        with pytest.raises(InvalidArgumentError, match=f"step must be a non-negative int, got {re.escape(repr(step))}") as info:
+            mgr.save(step, {"x": 1})
+        assert isinstance(info.value, ValueError)
+        if step is not None:  # None means "latest" on restore
+            with pytest.raises(InvalidArgumentError, match="step must be a non-negative int"):
+                mgr.restore(step)
+
+
+@pytest.mark.parametrize("codec", ["brotli", "zstd-99", "zstd-0", "ZSTD"])
+def test_bad_codec(memory_url: str, codec: str) -> None:
+    with pytest.raises(InvalidArgumentError, match=f"(unknown codec {codec!r}|zstd level must be 1..22)"):
+        ckptvault.CheckpointManager(memory_url, codec=codec)
+    with pytest.raises(InvalidArgumentError, match="unknown codec|zstd level"):
+        ckptvault.CheckpointManager(memory_url, codec_rules={"optimizer.*": codec})
+
+
+@pytest.mark.parametrize("chunk_size", [1000, 0, 32 << 10, 1 << 30])
+def test_bad_chunk_size(memory_url: str, chunk_size: int) -> None:
+    with ckptvault.CheckpointManager(memory_url, chunk_size=chunk_size) as mgr:
+        expected = f"chunk_size must be a multiple of 64 between 65536 and 268435456, got {chunk_size}"
+        with pytest.raises(InvalidArgumentError, match=expected):
+            mgr.save(1, {"x": torch.ones(1)})
+        assert mgr.steps() == []
+
+
+@pytest.mark.parametrize(("metrics", "detail"), [
+    ({"loss": float("nan")}, r"non-finite values at \['loss'\]"),
+    ({"loss": float("inf"), "acc": 1.0}, r"non-finite values at \['loss'\]"),
+    ({"obj": object()}, "not JSON serializable"),
+    ({1: 2.0}, "must be a dict with str keys"),
+])
+def test_bad_metrics(memory_url: str, metrics: Any, detail: str) -> None:
+    with ckptvault.CheckpointManager(memory_url) as mgr:
+        with pytest.raises(InvalidArgumentError, match=f"metrics .*{detail}"):
+            mgr.save(1, {"x": torch.ones(1)}, metrics=metrics)
+        with pytest.raises(InvalidArgumentError, match="metadata"):
+            mgr.save(1, {"x": torch.ones(1)}, metadata={"when": {1, 2}})
+        assert mgr.steps() == []
+        info = mgr.save(1, {"x": torch.ones(1)}, metrics={"loss": np.float32(0.5), "t": torch.tensor(2.0)}).wait()
+        assert info.metrics == {"loss": 0.5, "t": 2.0}  # numpy / 0-d torch scalars become floats
+
+
+def test_bad_url_scheme() -> None:
+    with pytest.raises(InvalidArgumentError, match="unsupported vault URL scheme 'ftp'"):
+        ckptvault.CheckpointManager("ftp://host/vault")
