@@ -259,10 +259,14 @@ def decide(infos: Sequence[RetentionInfo], policies: Sequence[Policy], now: floa
         for step, why in policy.keeps(infos, now).items():
             reasons[step].append(why)
     primary = {s for s in steps if reasons[s]}
-    for info in infos:
+    dependents: dict[int, list[int]] = {}
+    for info in sorted(infos, key=lambda i: i.step):
         k = info.keyframe
         if info.step in primary and k is not None and k != info.step and k in reasons:
-            reasons[k].append(f"keyframe of {info.step}")
+            dependents.setdefault(k, []).append(info.step)
+    for k, deps in dependents.items():
+        shown = ", ".join(map(str, deps)) if len(deps) <= 4 else f"{deps[0]}, {deps[1]}, ..., {deps[-1]}"
+        reasons[k].append(f"keyframe of {shown}")
     return [Decision(s, bool(reasons[s]), tuple(reasons[s])) for s in sorted(steps)]
 
 

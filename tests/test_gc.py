@@ -1,0 +1,395 @@
+"""Garbage collection, prune, pins and CheckpointManager(retention=...) on real vaults (no mocks)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from ckptvault import CheckpointManager
+from ckptvault.cli import main
+from ckptvault.errors import InvalidArgumentError, MaintenanceRefusedError, StepNotFoundError
+from ckptvault.format.chunk_object import ChunkHeader, chunk_id, chunk_key, encode_object, parse_object
+from ckptvault.format.manifest import decode_manifest, encode_manifest, manifest_key
+from ckptvault.gc import execute_gc, plan_gc
+from ckptvault.prune import execute_prune, plan_prune
+from ckptvault.retention import KeepEvery, KeepLast, Retention
+from conftest import assert_same_state, chunk_files, manifest_files
+
+CHUNK = 64 << 10
+HOUR = 3600.0
+
+
+def state_for(step: int, n: int = 40_000) -> dict[str, torch.Tensor]:
+    """A state whose "w" differs at every step and whose "frozen" part never changes (shared chunks)."""
+    g = torch.Generator().manual_seed(step)
+    return {"w": torch.randn(n, generator=g), "frozen": torch.arange(n, dtype=torch.float32)}
+
+
+def age(root: Path, seconds: float) -> None:
+    """Move the mtime of every object in the vault (chunks, manifests, pins, tmp) ``seconds`` into the past."""
+    for path in root.rglob("*"):
+        if path.is_file():
+            st = path.stat()
+            os.utime(path, (st.st_atime - seconds, st.st_mtime - seconds))
+
+
+def referenced(root: Path) -> set[str]:
+    """Chunk ids the manifests reach, delta bases followed through chunk headers (independent of ckptvault.gc)."""
+    todo = []
+    for path in manifest_files(root):
+        body = decode_manifest(path.read_bytes(), str(path))
+        for entry in body["chunks"]:
+            todo.append(entry["id"])
+            if entry.get("base"):
+                todo.append(entry["base"])
+    seen: set[str] = set()
+    while todo:
+        cid = todo.pop()
+        if cid in seen:
+            continue
+        seen.add(cid)
+        obj = root / chunk_key(cid)
+        if obj.exists():
+            header, _ = parse_object(cid, obj.read_bytes())
+            if header.base:
+                todo.append(header.base)
+    return seen
+
+
+def orphans(root: Path) -> set[str]:
+    return {p.name for p in chunk_files(root)} - referenced(root)
+
+
+def put_stray_chunk(root: Path, payload: bytes, base: str | None = None) -> str:
+    """Write a well-formed, unreferenced chunk object directly (as a save that died before committing would)."""
+    cid = chunk_id(payload)
+    path = root / chunk_key(cid)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(encode_object(ChunkHeader(codec=[], raw=len(payload), base=base), payload))
+    return cid
+
+
+@pytest.fixture
+def vault(tmp_path: Path) -> Path:
+    """Steps 0..3 of full (non-delta) checkpoints, then step 1 deleted: its "w" chunks are garbage."""
+    root = tmp_path / "vault"
+    with CheckpointManager(root, chunk_size=CHUNK, incremental=False, async_save=False) as mgr:
+        for step in range(4):
+            mgr.save(step, state_for(step))
+        mgr.delete(1)
+    return root
+
+
+# -- gc --------------------------------------------------------------------------------------------
+def test_gc_removes_old_unreferenced_chunks_and_keeps_the_rest(vault: Path) -> None:
+    garbage = orphans(vault)
+    assert len(garbage) >= 2  # "w" of step 1
+    live_before = {p.name for p in chunk_files(vault)} - garbage
+    age(vault, 2 * HOUR)
+    with CheckpointManager(vault) as mgr:
+        plan, result = mgr.gc(HOUR)
+        assert result is not None
+        assert {g.key.rsplit("/", 1)[1] for g in result.deleted if g.kind == "chunk"} == garbage
+        assert result.bytes_freed == sum(g.size for g in plan.candidates) > 0
+        assert plan.clock == "store" and len(plan.live) == len(live_before)
+        assert {p.name for p in chunk_files(vault)} == live_before
+        for step in mgr.steps():
+            assert_same_state(state_for(step), mgr.restore(step))
+        assert mgr.verify().ok
+        _, again = mgr.gc(0)
+        assert again is not None and again.deleted == []
+
+
+def test_gc_keeps_unreferenced_chunks_younger_than_the_grace_period(vault: Path) -> None:
+    garbage = orphans(vault)
+    with CheckpointManager(vault) as mgr:
+        plan, result = mgr.gc(HOUR)
+        assert plan.candidates == [] and result is not None and result.deleted == []
+        assert plan.fresh_unreferenced == len(garbage)
+        age(vault, 0.6 * HOUR)
+        assert mgr.gc(HOUR)[1].deleted == []  # type: ignore[union-attr]
+        age(vault, 0.6 * HOUR)
+        assert len(mgr.gc(HOUR)[1].deleted) == len(garbage)  # type: ignore[union-attr]
+    assert orphans(vault) == set()
+
+
+def test_dry_run_deletes_nothing(vault: Path) -> None:
+    before = sorted(p.name for p in chunk_files(vault))
+    with CheckpointManager(vault) as mgr:
+        plan, result = mgr.gc(0, dry_run=True)
+    assert result is None and len(plan.candidates) == len(orphans(vault)) > 0
+    assert sorted(p.name for p in chunk_files(vault)) == before
+
+
+def test_delta_bases_stay_while_a_checkpoint_needs_them(tmp_path: Path) -> None:
+    """Real incremental saves: step 1's changed chunks are XOR deltas against step 0 (the keyframe)."""
+    root = tmp_path / "vault"
+    base_state = state_for(0, 200_000)
+    nudged = {"w": base_state["w"] + 1e-3, "frozen": base_state["frozen"]}
+    with CheckpointManager(root, chunk_size=CHUNK, async_save=False) as mgr:
+        mgr.save(0, base_state)
+        mgr.save(1, nudged)
+        bases = {c["base"] for c in mgr.manifest(1)["chunks"] if c.get("base")}
+        assert bases, "expected delta chunks in step 1"
+        mgr.delete(0)
+        age(root, 2 * HOUR)
+        _, result = mgr.gc(HOUR)
+        assert result is not None
+        deleted = {g.key.rsplit("/", 1)[1] for g in result.deleted}
+        assert not bases & deleted
+        assert all((root / chunk_key(b)).exists() for b in bases)
+        assert_same_state(nudged, mgr.restore(1))
+        assert mgr.verify().ok
+
+
+def test_bases_named_only_in_chunk_headers_are_followed(vault: Path) -> None:
+    """A manifest entry names base B; B's own header names C, which no manifest lists: both stay."""
+    c = put_stray_chunk(vault, b"C" * 1000)
+    b = put_stray_chunk(vault, b"B" * 1000, base=c)
+    unrelated = put_stray_chunk(vault, b"U" * 1000)
+    body = decode_manifest((vault / manifest_key(3)).read_bytes(), "step 3")
+    body["step"] = 50
+    body["chunks"].append({"id": body["chunks"][0]["id"], "raw": 1, "stored": 1, "new": False, "base": b})
+    (vault / manifest_key(50)).write_bytes(encode_manifest(body))
+    age(vault, 2 * HOUR)
+    with CheckpointManager(vault) as mgr:
+        plan, result = mgr.gc(HOUR)
+    assert {b, c} <= plan.live
+    assert (vault / chunk_key(b)).exists() and (vault / chunk_key(c)).exists()
+    assert not (vault / chunk_key(unrelated)).exists()
+    assert result is not None and unrelated in {g.key.rsplit("/", 1)[1] for g in result.deleted}
+
+
+def test_corrupt_manifest_makes_gc_and_prune_refuse(vault: Path) -> None:
+    path = vault / manifest_key(2)
+    data = bytearray(path.read_bytes())
+    data[-10] ^= 0x01
+    path.write_bytes(bytes(data))
+    age(vault, 2 * HOUR)
+    before = sorted(p.name for p in chunk_files(vault))
+    with CheckpointManager(vault) as mgr:
+        with pytest.raises(MaintenanceRefusedError, match=r"the manifests of steps 2 cannot be read .*step 2: "
+                           r"CorruptManifestError: .*BLAKE3.*nothing was deleted") as info:
+            mgr.gc(0)
+        assert list(info.value.problems) == [2]
+        with pytest.raises(MaintenanceRefusedError, match="refusing to collect garbage or prune"):
+            mgr.prune(KeepLast(1))
+    assert sorted(p.name for p in chunk_files(vault)) == before
+    assert len(manifest_files(vault)) == 3
+
+
+def test_execute_rechecks_manifests_committed_after_the_plan(vault: Path) -> None:
+    """A manifest that appears between plan and execute makes its chunks live again."""
+    age(vault, 2 * HOUR)
+    with CheckpointManager(vault) as mgr:
+        plan = plan_gc(mgr.vault, HOUR)
+        doomed = [g for g in plan.candidates if g.kind == "chunk"]
+        revived = doomed[0].key.rsplit("/", 1)[1]
+        body = mgr.manifest(3)
+        body["step"] = 60
+        body["chunks"].append({"id": revived, "raw": 1, "stored": 1, "new": False})
+        mgr.vault.store.put(manifest_key(60), encode_manifest(body))
+        touched = doomed[1]
+        mgr.vault.store.touch(touched.key)  # as a save reusing it would
+        result = execute_gc(mgr.vault, plan)
+    assert (vault / chunk_key(revived)).exists() and (vault / touched.key).exists()
+    assert result.skipped_live == 1 and result.skipped_fresh == 1
+    assert len(result.deleted) == len(doomed) - 2
+
+
+def test_gc_sweeps_old_temp_files_markers_and_pins_of_deleted_steps(vault: Path) -> None:
+    (vault / "tmp").mkdir(exist_ok=True)
+    (vault / "tmp" / "dead.part").write_bytes(b"x" * 100)
+    (vault / "gc").mkdir(exist_ok=True)
+    (vault / "gc" / "clock-0123").write_bytes(b"")
+    with CheckpointManager(vault) as mgr:
+        mgr.pin(2, "gone-soon")
+        mgr.pin(3, "stays")
+        mgr.delete(2)
+        age(vault, 2 * HOUR)
+        (vault / "tmp" / "live.part").write_bytes(b"y")  # a write in progress
+        _, result = mgr.gc(HOUR)
+        assert result is not None
+        kinds = sorted((g.kind, g.key) for g in result.deleted if g.kind != "chunk")
+        assert kinds == [("marker", "gc/clock-0123"), ("pin", "pins/00000000000000000002/gone-soon"),
+                         ("temp", "tmp/dead.part")]
+        assert mgr.pins() == {3: frozenset({"stays"})}
+    assert (vault / "tmp" / "live.part").exists()
+
+
+def test_negative_grace_is_refused(vault: Path) -> None:
+    with CheckpointManager(vault) as mgr, pytest.raises(InvalidArgumentError, match="grace must be >= 0 seconds"):
+        mgr.gc(-1)
+
+
+# -- pins and prune --------------------------------------------------------------------------------
+def test_pin_protects_from_prune_and_unpin_releases(vault: Path) -> None:
+    with CheckpointManager(vault) as mgr:
+        mgr.pin(0, "release-1")
+        mgr.pin(0, "release-1")  # idempotent
+        mgr.pin(2, "best")
+        assert mgr.pins() == {0: frozenset({"release-1"}), 2: frozenset({"best"})}
+        plan, result = mgr.prune(KeepLast(1))
+        assert result is not None and result.deleted == [] and mgr.steps() == [0, 2, 3]
+        assert {d.step: d.reasons for d in plan.decisions} == {0: ("pinned:release-1",), 2: ("pinned:best",),
+                                                                3: ("latest", "last 1")}
+        assert mgr.unpin(0, "release-1") is True and mgr.unpin(0, "release-1") is False
+        _, result = mgr.prune(KeepLast(1))
+        assert result is not None and result.deleted == [0] and mgr.steps() == [2, 3]
+        assert result.bytes_freed > 0
+
+
+def test_pin_of_an_uncommitted_step_fails_and_leaves_no_pin(vault: Path) -> None:
+    with CheckpointManager(vault) as mgr:
+        with pytest.raises(StepNotFoundError, match="step 1 has no committed checkpoint .*committed steps: 0, 2, 3"):
+            mgr.pin(1, "x")
+        with pytest.raises(InvalidArgumentError, match="invalid pin tag '../x'"):
+            mgr.pin(0, "../x")
+        assert mgr.pins() == {}
+
+
+def test_prune_rechecks_pins_and_latest_before_deleting(vault: Path) -> None:
+    with CheckpointManager(vault) as mgr:
+        plan = plan_prune(mgr.vault, KeepLast(1))
+        assert plan.drop == [0, 2]
+        mgr.pin(0, "late")  # pinned by another process after the plan
+        mgr.delete(3)  # and step 2 is now the latest
+        result = execute_prune(mgr.vault, plan)
+        assert result.deleted == [] and result.skipped == {0: "pinned", 2: "latest"}
+        assert mgr.steps() == [0, 2]
+
+
+def test_prune_reports_bytes_released_for_gc(vault: Path) -> None:
+    with CheckpointManager(vault) as mgr:
+        plan, _ = mgr.prune(KeepLast(1), dry_run=True)
+        w_chunks = {c["id"]: c["stored"] for s in (0, 2) for c in mgr.manifest(s)["chunks"]}
+        shared = {c["id"] for c in mgr.manifest(3)["chunks"]}
+        assert plan.released_bytes == sum(v for k, v in w_chunks.items() if k not in shared) > 0
+        assert mgr.steps() == [0, 2, 3]
+
+
+# -- CheckpointManager(retention=...) -------------------------------------------------------------
+def test_manager_applies_retention_after_each_commit(tmp_path: Path) -> None:
+    root = tmp_path / "vault"
+    retention = Retention(KeepLast(2), KeepEvery(4), gc_grace=0)
+    with CheckpointManager(root, chunk_size=CHUNK, incremental=False, retention=retention, async_save=False) as mgr:
+        for step in range(10):
+            mgr.save(step, state_for(step))
+            if step == 1:
+                mgr.pin(1, "first")
+        assert mgr.steps() == [0, 1, 4, 8, 9]
+        for step in mgr.steps():
+            assert_same_state(state_for(step), mgr.restore(step))
+    assert orphans(root) == set()  # the manager collected with grace 0
+
+
+def test_manager_never_drops_the_step_it_just_saved(tmp_path: Path) -> None:
+    with CheckpointManager(tmp_path / "v", chunk_size=CHUNK, retention=KeepLast(1), async_save=False,
+                           incremental=False) as mgr:
+        mgr.save(10, state_for(10))
+        mgr.save(20, state_for(20))
+        mgr.save(5, state_for(5))  # an older step number: not the latest, but just saved
+        assert mgr.steps() == [5, 20]
+        mgr.save(30, state_for(30))
+        assert mgr.steps() == [30]
+
+
+def test_retention_with_deltas_keeps_the_keyframe_and_stays_restorable(tmp_path: Path) -> None:
+    states = {}
+    with CheckpointManager(tmp_path / "v", chunk_size=CHUNK, keyframe_every=4, async_save=False,
+                           retention=Retention(keep_last=2, gc_grace=0)) as mgr:
+        base = state_for(0, 100_000)
+        for step in range(7):
+            states[step] = {"w": base["w"] + step * 1e-3, "frozen": base["frozen"]}
+            mgr.save(step, states[step])
+        keyframes = {mgr.manifest(s)["keyframe_step"] for s in mgr.steps()}
+        assert set(mgr.steps()) == {5, 6} | keyframes
+        for step in mgr.steps():
+            assert_same_state(states[step], mgr.restore(step))
+        assert mgr.verify().ok
+    assert orphans(tmp_path / "v") == set()
+
+
+def test_retention_runs_after_background_saves(tmp_path: Path) -> None:
+    """With async saves (the default), retention runs in the background after each commit; close() waits for it."""
+    root = tmp_path / "v"
+    with CheckpointManager(root, chunk_size=CHUNK, incremental=False, retention=Retention(keep_last=2, gc_grace=0)) as mgr:
+        for step in range(5):
+            mgr.save(step, state_for(step))
+    with CheckpointManager(root) as mgr:
+        assert mgr.steps() == [3, 4]
+        assert_same_state(state_for(3), mgr.restore(3))
+    assert orphans(root) == set()
+
+
+def test_failed_retention_does_not_fail_the_save(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    root = tmp_path / "v"
+    with CheckpointManager(root, chunk_size=CHUNK, retention=KeepLast(1), async_save=False) as mgr:
+        mgr.save(1, state_for(1))
+        path = root / manifest_key(1)
+        path.write_bytes(path.read_bytes()[:-5])  # damage it
+        with caplog.at_level(logging.WARNING, logger="ckptvault"):
+            info = mgr.save(2, state_for(2)).wait()
+        assert info.step == 2 and mgr.steps() == [1, 2]
+        assert "retention after step 2 was not applied: refusing" in caplog.text
+
+
+def test_prune_without_a_policy_is_refused(vault: Path) -> None:
+    with CheckpointManager(vault) as mgr, pytest.raises(InvalidArgumentError, match="prune needs a retention policy"):
+        mgr.prune()
+
+
+# -- CLI -------------------------------------------------------------------------------------------
+def run_cli(*args: object) -> tuple[int, str, str]:
+    result = CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
+    return result.exit_code, result.stdout, result.stderr
+
+
+def test_cli_prune_then_gc(vault: Path) -> None:
+    code, out, _ = run_cli("pin", vault, 0, "keep")
+    assert code == 0 and "pinned step 0 as 'keep'" in out
+    code, out, _ = run_cli("prune", vault, "--keep-last", 1, "--dry-run")
+    assert code == 0 and "would remove 1 checkpoints: 2" in out and "keeping 2 checkpoints" in out
+    assert len(manifest_files(vault)) == 3
+    code, out, _ = run_cli("prune", vault, "--keep-last", 1, "--json")
+    doc = json.loads(out)
+    assert code == 0 and doc["removed"] == [2] and doc["keep"] == [0, 3] and doc["manifest_bytes_freed"] > 0
+    age(vault, 2 * HOUR)
+    code, out, _ = run_cli("gc", vault, "--grace", 60, "--dry-run")
+    assert code == 0 and out.startswith("would remove ") and "chunks" in out
+    code, out, _ = run_cli("gc", vault, "--grace", 60, "--json")
+    doc = json.loads(out)
+    assert code == 0 and doc["bytes_freed"] == sum(r["size"] for r in doc["removed"]) > 0
+    assert {r["kind"] for r in doc["removed"]} == {"chunk"} and doc["clock"] == "store"
+    assert orphans(vault) == set()
+    code, out, _ = run_cli("gc", vault)
+    assert code == 0 and out.startswith("removed nothing; 0 B freed")
+    code, out, _ = run_cli("unpin", vault, 0, "keep", "--json")
+    assert code == 0 and json.loads(out)["removed"] is True
+
+
+def test_cli_errors(vault: Path) -> None:
+    code, _, err = run_cli("prune", vault)
+    assert code == 2 and "retention needs at least one policy" in err
+    code, _, err = run_cli("prune", vault, "--keep-best", 2)
+    assert code == 2 and "--keep-best needs --metric NAME" in err
+    code, _, err = run_cli("pin", vault, 7, "x")
+    assert code == 2 and "step 7 has no committed checkpoint" in err
+    (vault / manifest_key(3)).write_bytes(b"{}")
+    code, _, err = run_cli("gc", vault)
+    assert code == 3 and "error: refusing to collect garbage" in err and "steps 3" in err
+
+
+def test_store_clock_is_used(vault: Path) -> None:
+    with CheckpointManager(vault) as mgr:
+        before = time.time()
+        plan = plan_gc(mgr.vault, 0)
+    assert plan.clock == "store" and abs(plan.now - before) < 60
+    assert not (vault / "gc").exists() or not any((vault / "gc").iterdir())
