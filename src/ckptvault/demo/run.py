@@ -1,0 +1,218 @@
+"""The demo job end to end: train, checkpoint every K steps, restore in a fresh process, compare.
+
+:func:`run_demo` trains :class:`~ckptvault.demo.train.Trainer` for a time or
+step budget, saves its full state into a vault every ``every`` steps (and at
+the last step), saves the same state with ``torch.save`` (fsync included) for
+comparison, then runs ``python -m ckptvault.demo.check`` in a new interpreter
+to restore the latest checkpoint and check it bit for bit against digests the
+training process wrote. It returns a :class:`DemoReport`; it prints nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..errors import InvalidArgumentError, VaultError
+from ..manager import CheckpointManager
+from ..stores import LocalStore
+from ..vault import DESCRIPTOR_KEY
+from .check import write_reference
+from .model import num_params
+from .train import TrainConfig, Trainer
+
+log = logging.getLogger(__name__)
+
+OnStep = Callable[[int, "int | None", float], None]
+"""Progress callback: (steps done in this run, steps planned or None for a time budget, loss).
+
+On the last step of the run, ``planned`` equals ``done``."""
+
+
+class DemoError(VaultError, RuntimeError):
+    """The demo could not complete its restore check (the fresh process failed or reported garbage)."""
+
+
+@dataclass(frozen=True)
+class DemoOptions:
+    """What :func:`run_demo` does. ``steps`` (when set) replaces the ``minutes`` budget."""
+
+    vault: str = "./demo-vault"
+    minutes: float = 2.0
+    steps: int | None = None
+    every: int = 100
+    codec: str = "zstd"
+    resume: bool = False
+    fresh: bool = False
+    batch_size: int = 16
+    seed: int = 0
+    repeat: int = 3
+
+
+@dataclass
+class DemoReport:
+    """What the demo measured. Byte counts are bytes; times are seconds."""
+
+    vault: str
+    codec: str
+    params: int
+    steps: list[int]
+    start_step: int
+    final_step: int
+    final_loss: float
+    train_s: float
+    logical_bytes: int
+    stored_bytes: int
+    vault_bytes: int
+    added_bytes: list[int] = field(default_factory=list)
+    save_s: list[float] = field(default_factory=list)
+    torch_save_s: list[float] = field(default_factory=list)
+    torch_save_bytes: int = 0
+    check: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        """True when the fresh-process restore matched the saved state bit for bit."""
+        return bool(self.check.get("ok"))
+
+    def medians(self) -> dict[str, float]:
+        return {"save_s": statistics.median(self.save_s), "torch_save_s": statistics.median(self.torch_save_s),
+                "added_bytes": statistics.median(self.added_bytes),
+                "restore_s": self.check["restore_median_s"], "torch_load_s": self.check["torch_load_median_s"]}
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self) | {"ok": self.ok, "medians": self.medians()}
+
+
+def run_demo(opts: DemoOptions, on_step: OnStep | None = None) -> DemoReport:
+    """Run the demo; see the module docstring. Raises InvalidArgumentError on bad options or a vault
+    that already holds checkpoints (unless ``resume`` or ``fresh``), DemoError if the check cannot run."""
+    _validate(opts)
+    if opts.fresh:
+        _remove_vault(opts.vault)
+    with CheckpointManager(opts.vault, codec=opts.codec) as mgr, tempfile.TemporaryDirectory(
+        prefix=".ckptvault-demo-", dir=_scratch_parent(mgr)
+    ) as scratch:
+        trainer = Trainer(TrainConfig(batch_size=opts.batch_size, seed=opts.seed))
+        _maybe_resume(mgr, trainer, opts)
+        report = DemoReport(vault=mgr.url, codec=opts.codec, params=num_params(trainer.model), steps=[],
+                            start_step=trainer.step, final_step=trainer.step, final_loss=float("nan"), train_s=0.0,
+                            logical_bytes=0, stored_bytes=0, vault_bytes=0)
+        _train(mgr, trainer, opts, report, Path(scratch), on_step)
+        report.check = _check_in_fresh_process(mgr.url, report.final_step, Path(scratch), opts.repeat)
+        report.steps = mgr.steps()
+        latest = mgr.info(report.final_step)
+        report.logical_bytes, report.stored_bytes = latest.logical_bytes, latest.stored_bytes
+        report.vault_bytes = sum(mgr.info(s).added_bytes for s in report.steps)
+    log.info("demo finished: %d checkpoints, restore check %s", len(report.steps), "passed" if report.ok else "FAILED")
+    return report
+
+
+def _validate(opts: DemoOptions) -> None:
+    if opts.every < 1:
+        raise InvalidArgumentError(f"--every must be at least 1, got {opts.every}")
+    if opts.steps is not None and opts.steps < 1:
+        raise InvalidArgumentError(f"--steps must be at least 1, got {opts.steps}")
+    if opts.steps is None and not opts.minutes > 0:
+        raise InvalidArgumentError(f"--minutes must be positive, got {opts.minutes}")
+    if opts.resume and opts.fresh:
+        raise InvalidArgumentError("--resume and --fresh exclude each other: continue the run, or start over")
+    if "://" in opts.vault and not opts.vault.startswith("file://"):
+        raise InvalidArgumentError(f"the demo restores in a second process, so it needs a local vault, not {opts.vault!r}")
+
+
+def _remove_vault(url: str) -> None:
+    """Delete the local vault at ``url`` if there is one; refuse to delete a folder that is not a vault."""
+    root = Path(url.removeprefix("file://")).expanduser()
+    if not root.exists():
+        return
+    if not (root / DESCRIPTOR_KEY).is_file():
+        raise InvalidArgumentError(f"--fresh would delete {root}, which is not a ckptvault vault; choose another --vault")
+    log.info("removing the previous demo vault at %s", root)
+    shutil.rmtree(root)
+
+
+def _scratch_parent(mgr: CheckpointManager) -> str:
+    """Keep the torch.save comparison files on the vault's own disk, so both are timed on the same device."""
+    store = mgr.vault.store
+    parent = store.root.parent if isinstance(store, LocalStore) else Path(tempfile.gettempdir())
+    parent.mkdir(parents=True, exist_ok=True)
+    return str(parent)
+
+
+def _maybe_resume(mgr: CheckpointManager, trainer: Trainer, opts: DemoOptions) -> None:
+    latest = mgr.latest_step()
+    if latest is None:
+        return
+    if not opts.resume:
+        raise InvalidArgumentError(
+            f"the vault at {mgr.url} already holds checkpoints (latest step {latest}); pass --resume to continue "
+            "from it, --fresh to start over, or another --vault"
+        )
+    start = time.perf_counter()
+    trainer.load_state(mgr.restore(latest))
+    log.info("resumed from step %d in %.3f s", latest, time.perf_counter() - start)
+
+
+def _train(mgr: CheckpointManager, trainer: Trainer, opts: DemoOptions, report: DemoReport, scratch: Path,
+           on_step: OnStep | None) -> None:
+    planned = opts.steps
+    deadline = time.monotonic() + opts.minutes * 60
+    done, loss, saved_at = 0, float("nan"), -1
+    start = time.perf_counter()
+    while True:
+        loss = trainer.train_step()
+        done += 1
+        finished = done >= planned if planned is not None else time.monotonic() >= deadline
+        if on_step is not None:
+            on_step(done, done if finished else planned, loss)
+        if trainer.step % opts.every == 0 or finished:
+            _checkpoint(mgr, trainer, loss, report, scratch)
+            saved_at = trainer.step
+        if finished:
+            break
+    report.train_s = time.perf_counter() - start
+    report.final_step, report.final_loss = saved_at, loss
+
+
+def _checkpoint(mgr: CheckpointManager, trainer: Trainer, loss: float, report: DemoReport, scratch: Path) -> None:
+    """Save the trainer's state into the vault, then with torch.save; record both costs."""
+    state = trainer.state()
+    lr = trainer.scheduler.get_last_lr()[0]
+    start = time.perf_counter()
+    info = mgr.save(trainer.step, state, metrics={"loss": loss, "lr": lr}, metadata=trainer.metadata()).wait()
+    report.save_s.append(time.perf_counter() - start)
+    report.added_bytes.append(info.added_bytes)
+    seconds, size = write_reference(state, scratch)
+    report.torch_save_s.append(seconds)
+    report.torch_save_bytes = size
+    log.info("step %d: loss %.4f, saved %d -> %d bytes (%d new) in %.3f s; torch.save %.3f s", trainer.step, loss,
+             info.logical_bytes, info.stored_bytes, info.added_bytes, report.save_s[-1], seconds)
+
+
+def _check_in_fresh_process(url: str, step: int, reference: Path, repeat: int) -> dict[str, Any]:
+    """Run ``python -m ckptvault.demo.check`` and return its JSON result (``ok`` says whether it matched)."""
+    cmd = [sys.executable, "-m", "ckptvault.demo.check", "--vault", url, "--step", str(step),
+           "--reference", str(reference), "--repeat", str(repeat)]
+    log.info("restoring step %d in a fresh process", step)
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode not in (0, 1) or not lines:
+        raise DemoError(f"the restore check process exited with {proc.returncode}: {proc.stderr.strip()[-2000:]}")
+    try:
+        result = json.loads(lines[-1])
+    except ValueError:
+        raise DemoError(f"the restore check process wrote no result: {proc.stdout[-500:]!r}") from None
+    if bool(result.get("ok")) != (proc.returncode == 0):
+        raise DemoError(f"the restore check process exited {proc.returncode} but reported ok={result.get('ok')}")
+    return result
