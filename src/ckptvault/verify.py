@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from .errors import CorruptDataError, ObjectNotFoundError, VaultError
+from .errors import CorruptChunkError, CorruptDataError, ObjectNotFoundError, VaultError
 from .vault import Vault
 
 
@@ -45,6 +45,8 @@ def verify_steps(vault: Vault, steps: list[int], progress: Callable[[int], None]
             return None
         except ObjectNotFoundError:
             return f"chunk {cid} is missing"
+        except CorruptChunkError as exc:  # its message would tell the user to run verify
+            return f"chunk {exc.chunk} is corrupt: {exc.reason}"
         except CorruptDataError as exc:
             return str(exc)
         finally:

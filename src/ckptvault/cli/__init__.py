@@ -1,0 +1,61 @@
+"""The ``ckptvault`` command line: ``main`` is the click group; each command lives in its own module.
+
+To add a command, define it in a module of this package (use the helpers in
+``common.py``) and register it below with ``main.add_command(...)``. Library
+errors raised by any registered command are reported by :class:`VaultGroup`.
+"""
+
+from __future__ import annotations
+
+import click
+
+from .. import __version__
+from .common import VaultGroup, configure_logging
+from .demo import demo
+from .inspect import du, ls, show
+from .maintenance import COMMANDS as MAINTENANCE_COMMANDS
+from .remove import rm
+from .verify import verify
+
+HELP = """Inspect and maintain ckptvault checkpoint vaults.
+
+A vault is a directory (or URL) that ckptvault.CheckpointManager saves
+checkpoints into. Run `ckptvault COMMAND --help` for the details of a command;
+every command takes --json for scripts.
+
+\b
+Examples:
+  ckptvault ls ./ckpts                      list checkpoints: sizes, ratio, metrics
+  ckptvault show ./ckpts                    tensors of the latest checkpoint
+  ckptvault show ./ckpts 200 -k 'model.*'   tensors of step 200 under "model"
+  ckptvault verify ./ckpts                  read and check every chunk
+  ckptvault du ./ckpts                      logical vs stored bytes, dedup and compression savings
+  ckptvault rm ./ckpts 100 200              delete two checkpoints (then `ckptvault gc`)
+  ckptvault prune ./ckpts --keep-last 5     keep the 5 newest (+ latest, pinned); then `ckptvault gc`
+  ckptvault gc ./ckpts                      free chunks no checkpoint uses (safe next to training)
+  ckptvault ls ./ckpts --json | jq '.checkpoints[].step'
+
+\b
+Exit status:
+  0  success
+  1  damage found (verify, or a damaged manifest or chunk met by any command)
+  2  usage error: bad arguments, no vault at URL, step not committed
+  3  other failure: storage error, unsupported format version
+"""
+
+
+@click.group(cls=VaultGroup, help=HELP, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.version_option(__version__, "-V", "--version", prog_name="ckptvault", message="%(prog)s %(version)s")
+@click.option("-v", "--verbose", count=True, help="Log what ckptvault does on stderr (-vv for debug detail).")
+def main(verbose: int) -> None:
+    configure_logging(verbose)
+
+
+main.add_command(ls)
+main.add_command(show)
+main.add_command(verify)
+main.add_command(du)
+main.add_command(rm)
+main.add_command(demo)
+for _command in MAINTENANCE_COMMANDS:  # prune, gc, pin, unpin
+    main.add_command(_command)

@@ -1,0 +1,212 @@
+"""Read-only commands: ``ls``, ``show`` and ``du``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import click
+
+from ..errors import VaultError
+from ..info import CheckpointInfo, TensorInfo
+from ..rules import any_match
+from ..usage import VaultUsage, vault_usage
+from .common import EXIT_DAMAGED, emit_json, json_option, open_manager, step_argument, url_argument
+from .render import (
+    compact_mapping,
+    dtype_label,
+    human_bytes,
+    iso_time,
+    key_value_block,
+    local_time,
+    percent,
+    shape_label,
+    table,
+)
+
+
+def info_json(info: CheckpointInfo) -> dict[str, Any]:
+    """The JSON object of one checkpoint in ``ls``/``show`` output (stable keys)."""
+    return {
+        "step": info.step, "time": info.time, "time_iso": iso_time(info.time), "logical_bytes": info.logical_bytes,
+        "stored_bytes": info.stored_bytes, "added_bytes": info.added_bytes, "ratio": info.ratio,
+        "num_chunks": info.num_chunks, "num_tensors": len(info.tensors), "metrics": info.metrics,
+        "metadata": info.metadata,
+    }
+
+
+# -- ls -----------------------------------------------------------------------------
+@click.command("ls", short_help="List checkpoints: time, sizes, ratio, metrics.")
+@url_argument
+@json_option
+def ls(url: str, as_json: bool) -> None:
+    """List the committed checkpoints of the vault at URL, oldest first.
+
+    One row per step: commit time (local), LOGICAL bytes (the arrays
+    uncompressed), STORED bytes (every chunk the checkpoint references, as
+    stored), ADDED bytes (chunks this checkpoint added to the vault; the rest
+    it shares with earlier ones), RATIO stored/logical, and its metrics.
+
+    A checkpoint whose manifest cannot be read is reported on stderr and the
+    exit status is 1.
+
+    \b
+    JSON: {"url", "checkpoints": [{"step", "time", "time_iso", "logical_bytes",
+    "stored_bytes", "added_bytes", "ratio", "num_chunks", "num_tensors",
+    "metrics", "metadata"}], "damaged": [{"step", "error"}]}
+    """
+    with open_manager(url) as mgr:
+        infos: list[CheckpointInfo] = []
+        damaged: list[dict[str, Any]] = []
+        for step in mgr.steps():
+            try:
+                infos.append(mgr.info(step))
+            except VaultError as exc:
+                damaged.append({"step": step, "error": str(exc)})
+        if as_json:
+            emit_json({"url": mgr.url, "checkpoints": [info_json(i) for i in infos], "damaged": damaged})
+        else:
+            _print_ls(mgr.url, infos, damaged)
+    if damaged:
+        raise click.exceptions.Exit(EXIT_DAMAGED)
+
+
+def _print_ls(url: str, infos: list[CheckpointInfo], damaged: list[dict[str, Any]]) -> None:
+    if not infos and not damaged:
+        click.echo(f"no checkpoints in {url}")
+        return
+    rows = [(str(i.step), local_time(i.time), human_bytes(i.logical_bytes), human_bytes(i.stored_bytes),
+             human_bytes(i.added_bytes), f"{i.ratio:.3f}", compact_mapping(i.metrics)) for i in infos]
+    rows += [(str(d["step"]), "-", "-", "-", "-", "-", "DAMAGED (see stderr)") for d in damaged]
+    rows.sort(key=lambda r: int(r[0]))
+    click.echo(table(("STEP", "TIME", "LOGICAL", "STORED", "ADDED", "RATIO", "METRICS"), rows, "rlrrrr"))
+    for d in damaged:
+        click.echo(f"warning: step {d['step']}: {d['error']}", err=True)
+
+
+# -- show ---------------------------------------------------------------------------
+@click.command("show", short_help="Show a checkpoint: header and tensor table.")
+@url_argument
+@step_argument()
+@click.option("--keys", "-k", "patterns", multiple=True, metavar="PATTERN",
+              help="Only tensors whose key path matches PATTERN (shell-style, e.g. 'model.*'; "
+                   "a bare prefix such as 'optimizer' matches its subtree). Repeatable.")
+@json_option
+def show(url: str, step: int | None, patterns: tuple[str, ...], as_json: bool) -> None:
+    """Show checkpoint STEP (default: the latest): header and tensor table.
+
+    A header with the step, time, sizes, metrics and metadata, then one row per
+    stored array: KEY PATH, DTYPE (numpy arrays as np.<dtype>), SHAPE, LOGICAL
+    bytes, STORED bytes (its share of the compressed chunks it lives in) and
+    CODEC. Python scalars, strings and containers are kept in the manifest's
+    skeleton and are not listed.
+
+    \b
+    JSON: the ls fields plus "tensors": [{"path", "kind", "dtype", "shape",
+    "nbytes", "stored_bytes", "codec"}]
+    """
+    with open_manager(url) as mgr:
+        info = mgr.info(step)
+    tensors = [t for t in info.tensors if not patterns or any_match(t.path, patterns)]
+    if as_json:
+        emit_json(info_json(info) | {"tensors": [_tensor_json(t) for t in tensors]})
+        return
+    click.echo(key_value_block(_header(info, mgr.url)))
+    shown = f"{len(tensors)} of {len(info.tensors)} match {' '.join(patterns)}" if patterns else str(len(info.tensors))
+    click.echo(f"{'tensors':8}  {shown}")
+    if tensors:
+        click.echo()
+        click.echo(table(("KEY PATH", "DTYPE", "SHAPE", "LOGICAL", "STORED", "CODEC"), [
+            (t.path, dtype_label(t.kind, t.dtype), shape_label(t.shape), human_bytes(t.nbytes),
+             human_bytes(t.stored_bytes), t.codec) for t in tensors], "lllrrl"))
+
+
+def _tensor_json(t: TensorInfo) -> dict[str, Any]:
+    return {"path": t.path, "kind": t.kind, "dtype": t.dtype, "shape": list(t.shape), "nbytes": t.nbytes,
+            "stored_bytes": t.stored_bytes, "codec": t.codec}
+
+
+def _header(info: CheckpointInfo, url: str) -> list[tuple[str, str]]:
+    return [
+        ("step", str(info.step)),
+        ("vault", url),
+        ("time", iso_time(info.time)),
+        ("logical", f"{human_bytes(info.logical_bytes)} ({info.logical_bytes} bytes)"),
+        ("stored", f"{human_bytes(info.stored_bytes)} in {info.num_chunks} chunks, ratio {info.ratio:.3f}"),
+        ("added", f"{human_bytes(info.added_bytes)} new to the vault with this checkpoint"),
+        ("metrics", compact_mapping(info.metrics) or "-"),
+        ("metadata", compact_mapping(info.metadata) or "-"),
+    ]
+
+
+# -- du -----------------------------------------------------------------------------
+@click.command("du", short_help="Logical vs stored bytes; dedup and compression savings.")
+@url_argument
+@json_option
+def du(url: str, as_json: bool) -> None:
+    """Show where the bytes of the vault at URL go.
+
+    LOGICAL is the sum over every checkpoint of its arrays' bytes (what
+    separate uncompressed copies would take). Identical chunks are stored once
+    (dedup savings = logical - unique raw chunk bytes) and compressed
+    (compression savings = unique raw - stored). PHYSICAL lists every object in
+    the store: chunk objects, manifests and the vault descriptor. Chunks no
+    checkpoint references (left by `ckptvault rm` or by interrupted saves) are
+    reclaimed by `ckptvault gc`. Reads manifests only, never chunk data.
+
+    \b
+    JSON: {"url", "checkpoints", "logical_bytes", "unique_raw_bytes",
+    "stored_bytes", "physical_bytes", "dedup_saved_bytes",
+    "compression_saved_bytes", "ratio", "objects": {"chunks", "manifests",
+    "other"}, "unreferenced_chunks", "missing_chunks",
+    "steps": [{"step", "logical_bytes", "stored_bytes", "added_bytes"}],
+    "damaged": [{"step", "error"}]}; object tallies are {"count", "bytes"}.
+    """
+    with open_manager(url) as mgr:
+        usage = vault_usage(mgr.vault)
+    if as_json:
+        emit_json(_usage_json(mgr.url, usage))
+    else:
+        _print_du(mgr.url, usage)
+    if usage.damaged:
+        raise click.exceptions.Exit(EXIT_DAMAGED)
+
+
+def _usage_json(url: str, u: VaultUsage) -> dict[str, Any]:
+    return {
+        "url": url, "checkpoints": len(u.steps), "logical_bytes": u.logical_bytes, "unique_raw_bytes": u.unique_raw_bytes,
+        "stored_bytes": u.referenced.bytes, "physical_bytes": u.physical_bytes, "dedup_saved_bytes": u.dedup_saved_bytes,
+        "compression_saved_bytes": u.compression_saved_bytes, "ratio": u.ratio,
+        "objects": {"chunks": vars(u.chunks), "manifests": vars(u.manifests), "other": vars(u.other)},
+        "unreferenced_chunks": vars(u.unreferenced), "missing_chunks": u.missing,
+        "steps": [vars(s) for s in u.steps], "damaged": [{"step": s, "error": e} for s, e in sorted(u.damaged.items())],
+    }
+
+
+def _print_du(url: str, u: VaultUsage) -> None:
+    span = f" (steps {u.steps[0].step}..{u.steps[-1].step})" if u.steps else ""
+    lines = [
+        ("vault", url),
+        ("checkpoints", f"{len(u.steps)}{span}"),
+        ("logical", f"{human_bytes(u.logical_bytes):>10}  sum over checkpoints"),
+        ("unique raw", f"{human_bytes(u.unique_raw_bytes):>10}  distinct chunks referenced, uncompressed"),
+        ("stored", f"{human_bytes(u.referenced.bytes):>10}  those chunks as stored ({u.referenced.count} objects)"),
+        ("physical", f"{human_bytes(u.physical_bytes):>10}  whole store: {u.chunks.count} chunks "
+                     f"{human_bytes(u.chunks.bytes)}, {u.manifests.count} manifests {human_bytes(u.manifests.bytes)}, "
+                     f"other {human_bytes(u.other.bytes)}"),
+        ("unreferenced", f"{human_bytes(u.unreferenced.bytes):>10}  {u.unreferenced.count} chunks no checkpoint uses "
+                         "(reclaimed by `ckptvault gc`)"),
+        ("dedup saves", f"{human_bytes(u.dedup_saved_bytes):>10}  {percent(u.dedup_saved_bytes, u.logical_bytes)} of logical"),
+        ("compression", f"{human_bytes(u.compression_saved_bytes):>10}  "
+                        f"{percent(u.compression_saved_bytes, u.unique_raw_bytes)} of unique raw"),
+        ("ratio", f"{u.ratio:>10.3f}  physical / logical"),
+    ]
+    click.echo(key_value_block(lines))
+    if u.missing:
+        click.echo(f"warning: {u.missing} referenced chunks are missing from the store; run `ckptvault verify`", err=True)
+    for step, error in sorted(u.damaged.items()):
+        click.echo(f"warning: step {step} left out: {error}", err=True)
+    if u.steps:
+        click.echo()
+        click.echo(table(("STEP", "LOGICAL", "STORED", "ADDED"), [
+            (str(s.step), human_bytes(s.logical_bytes), human_bytes(s.stored_bytes), human_bytes(s.added_bytes))
+            for s in u.steps], "rrrr"))
