@@ -16,17 +16,29 @@ from .info import CheckpointInfo
 class SaveHandle:
     def __init__(self, step: int) -> None:
         self.step = step
+        self.skipped = False
         self.staged: Future[None] = Future()
-        self.committed: Future[CheckpointInfo] = Future()
+        self.committed: Future[CheckpointInfo | None] = Future()
 
-    def wait(self, timeout: float | None = None) -> CheckpointInfo:
-        """Block until committed; return its info or raise the save's error."""
+    @classmethod
+    def skipped_save(cls, step: int) -> SaveHandle:
+        """A handle for a save that was skipped (another save was in flight): ``wait()`` returns None."""
+        handle = cls(step)
+        handle.skipped = True
+        handle.staged.set_result(None)
+        handle.committed.set_result(None)
+        return handle
+
+    def wait(self, timeout: float | None = None) -> CheckpointInfo | None:
+        """Block until committed; return its info (None if skipped) or raise the save's error."""
         return self.committed.result(timeout)
 
     def done(self) -> bool:
         return self.committed.done()
 
     def __repr__(self) -> str:
+        if self.skipped:
+            return f"<SaveHandle step={self.step} skipped>"
         state = "committed" if self.done() and not self.committed.exception() else (
             "failed" if self.done() else "staged" if self.staged.done() else "staging")
         return f"<SaveHandle step={self.step} {state}>"

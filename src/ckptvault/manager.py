@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from .codecs import DEFAULT_CODEC
-from .delta import DeltaPolicy, delta_context
+from .delta import DeltaPolicy
 from .errors import StepExistsError, VaultNotFoundError
 from .format.manifest import manifest_key
 from .handle import SaveHandle
@@ -16,8 +16,8 @@ from .info import CheckpointInfo, info_from_manifest
 from .maintenance import MaintenanceMixin, Retention, apply_retention
 from .restore import restore_into, restore_tree
 from .rules import CodecRules
-from .save import build_manifest, check_step, commit, write_chunks
-from .snapshot import take_snapshot
+from .save import check_step
+from .saver import Saver, SaveRequest
 from .stores import Store
 from .vault import DEFAULT_CHUNK_SIZE, Vault
 from .verify import VerifyReport, verify_steps
@@ -43,6 +43,11 @@ class CheckpointManager(MaintenanceMixin):
     ``keyframe_every`` checkpoints, or when the previous checkpoint added more
     than ``keyframe_growth`` x the keyframe's stored bytes; so restoring any
     checkpoint reads at most one base chunk per chunk.
+
+    Asynchronous saves (``async_save=True``, the default) stage the state into
+    a reusable host buffer and write in the background; ``max_staging_bytes``
+    caps that buffer (a larger state is saved synchronously), ``on_busy``
+    says what a save does while another is in flight (``"wait"`` or ``"skip"``).
     """
 
     def __init__(
@@ -58,6 +63,9 @@ class CheckpointManager(MaintenanceMixin):
         keyframe_every: int = 10,
         keyframe_growth: float = 0.9,
         retention: Any = None,
+        async_save: bool = True,
+        on_busy: str = "wait",
+        max_staging_bytes: int | None = None,
     ) -> None:
         self.vault = Vault(url, storage_options, workers)
         self.url = self.vault.url
@@ -67,6 +75,8 @@ class CheckpointManager(MaintenanceMixin):
         CodecRules(codec_rules, codec or DEFAULT_CODEC)  # validate early
         self.delta_policy = DeltaPolicy(incremental, keyframe_every, keyframe_growth)
         self.retention = Retention.coerce(retention)
+        self._saver = Saver(self.vault, self.delta_policy, async_save=async_save, on_busy=on_busy,
+                            max_staging_bytes=max_staging_bytes, after_commit=self._after_commit)
 
     # -- saving ------------------------------------------------------------
     def save(
@@ -80,36 +90,36 @@ class CheckpointManager(MaintenanceMixin):
         allow_pickle: bool = False,
         progress: Progress | None = None,
     ) -> SaveHandle:
-        """Save ``state`` as checkpoint ``step``; returns a handle whose ``wait()`` gives its info.
+        """Save ``state`` as checkpoint ``step``; returns a :class:`SaveHandle`.
+
+        With ``async_save=True`` (the default) this returns as soon as the state
+        is copied into host staging memory (``handle.staged``); chunking,
+        encoding, writing and the commit run in the background
+        (``handle.committed``, ``handle.wait()``). If a save is still in
+        flight, this first waits for it (``on_busy="wait"``) or returns a
+        skipped handle with a warning (``on_busy="skip"``). An earlier
+        background save's error is raised here, by :meth:`wait` or by
+        :meth:`close`. With ``async_save=False`` this returns once committed.
 
         The checkpoint becomes visible atomically when its manifest is written,
         last. Raises StepExistsError if ``step`` is committed and not ``overwrite``,
         UnsupportedObjectError (naming the key path) for values that need pickle.
         """
         check_step(step)
-        handle = SaveHandle(step)
         desc = self.vault.descriptor() or self.vault.create(self._chunk_size, self._codec or DEFAULT_CODEC)
-        if not overwrite and self.vault.store.exists(manifest_key(step)):
+        if not overwrite and (self.vault.store.exists(manifest_key(step)) or self._saver.inflight_step == step):
             raise StepExistsError(step, self.url)
         rules = CodecRules(self._codec_rules, self._codec or desc["codec"])
-        snapshot = take_snapshot(state, rules, allow_pickle=allow_pickle, copy=False)
-        handle.staged.set_result(None)
-        try:
-            delta = delta_context(self.vault, self.delta_policy, step)
-            chunks, pieces = write_chunks(self.vault, snapshot, progress, delta)
-            manifest = build_manifest(step, snapshot, chunks, pieces, metrics, metadata,
-                                      delta.keyframe_step, delta.since_keyframe)
-            commit(self.vault, step, manifest, overwrite)
-        except BaseException as exc:
-            handle.committed.set_exception(exc)
-            raise
-        handle.committed.set_result(info_from_manifest(manifest))
+        request = SaveRequest(step, metrics, metadata, overwrite, progress)
+        return self._saver.submit(request, state, rules, allow_pickle)
+
+    def _after_commit(self, step: int) -> None:
         if self.retention is not None:  # only now that the checkpoint is durable
             apply_retention(self.vault, self.retention, step)
-        return handle
 
     def wait(self) -> None:
-        """Wait for every save in flight (saves are synchronous in this version)."""
+        """Wait until every save in flight is committed; raise the error of any failed save."""
+        self._saver.wait()
 
     # -- listing -----------------------------------------------------------
     def steps(self) -> list[int]:
@@ -165,6 +175,9 @@ class CheckpointManager(MaintenanceMixin):
         return verify_steps(self.vault, steps, progress)
 
     def _resolve(self, step: int | None) -> int:
+        """The step to read (default: latest committed); waits if it is the save in flight."""
+        if step is not None and step == self._saver.inflight_step:
+            self._saver.wait()
         if step is not None:
             return check_step(step)
         latest = self.latest_step()
@@ -174,7 +187,11 @@ class CheckpointManager(MaintenanceMixin):
         return latest
 
     def close(self) -> None:
-        self.vault.close()
+        """Finish the save in flight, then release the vault. Raises the error of a failed save."""
+        try:
+            self._saver.close()
+        finally:
+            self.vault.close()
 
     def __enter__(self) -> CheckpointManager:
         return self

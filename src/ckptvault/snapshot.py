@@ -2,9 +2,9 @@
 
 This is the only part of a save that must see the live state. After
 :func:`take_snapshot` returns, every later step reads only the snapshot.
-With ``copy=False`` the views alias the caller's CPU tensors (the caller must
-not modify them until the save completes); with ``copy=True`` the bytes are
-copied into fresh host buffers, after which training may modify the state.
+Without a staging buffer the views alias the caller's CPU tensors (the caller
+must not modify them until the save completes); with one, the bytes are
+copied into it, after which training may modify the state.
 """
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
 from .arrays import host_contiguous, ndarray_bytes, tensor_bytes, torch_dtype_name
 from .rules import CodecRules
+from .staging import StagingBuffer, aligned_offsets
 from .tree import Leaf, Node, flatten
 
 
@@ -41,38 +41,49 @@ class Snapshot:
     records: list[ArrayRecord]
     views: list[memoryview]
     allow_pickle: bool
+    staged: bool = False  # True: views are private copies, the live state may change
 
     @property
     def logical_bytes(self) -> int:
         return sum(r.nbytes for r in self.records)
 
 
-def take_snapshot(state: Any, rules: CodecRules, allow_pickle: bool = False, copy: bool = False) -> Snapshot:
-    """Flatten ``state`` and capture host bytes of every array leaf."""
+def take_snapshot(state: Any, rules: CodecRules, allow_pickle: bool = False,
+                  staging: StagingBuffer | None = None, staging_limit: int | None = None) -> Snapshot:
+    """Flatten ``state`` and capture host bytes of every array leaf.
+
+    Without ``staging`` the views alias the caller's CPU tensors (no copy).
+    With it, every leaf is copied into the staging buffer and the snapshot is
+    ``staged`` -- unless that would need more than ``staging_limit`` bytes, in
+    which case it falls back to aliasing views (the caller must then finish
+    the save before the state changes).
+    """
     tree, leaves = flatten(state, allow_pickle)
-    records, views = [], []
-    for leaf in leaves:
-        record, view = _capture(leaf, rules)
-        if copy and view.nbytes:
-            view = memoryview(np.array(view, copy=True)).cast("B")
-        records.append(record)
-        views.append(view)
-    return Snapshot(tree, records, views, allow_pickle)
+    records = [_record(leaf, rules) for leaf in leaves]
+    needed = aligned_offsets([r.nbytes for r in records])[1]
+    if staging is None or (staging_limit is not None and needed > staging_limit):
+        return Snapshot(tree, records, [_live_view(leaf) for leaf in leaves], allow_pickle, staged=False)
+    views = staging.copy_in([(leaf.kind, leaf.value) for leaf in leaves], [r.nbytes for r in records])
+    return Snapshot(tree, records, views, allow_pickle, staged=True)
 
 
-def _capture(leaf: Leaf, rules: CodecRules) -> tuple[ArrayRecord, memoryview]:
+def _nbytes(leaf: Leaf) -> int:
+    value = leaf.value
+    return value.numel() * value.dtype.itemsize if leaf.kind == "torch" else value.nbytes
+
+
+def _record(leaf: Leaf, rules: CodecRules) -> ArrayRecord:
     value = leaf.value
     if leaf.kind == "torch":
-        host = host_contiguous(value)
-        view = tensor_bytes(host)
-        record = ArrayRecord(
-            leaf.path, "torch", torch_dtype_name(value.dtype), list(value.shape), view.nbytes,
-            value.dtype.itemsize, rules.codec_for(leaf.path), bool(isinstance(value, torch.nn.Parameter)
-                                                                   and value.requires_grad), str(value.device),
-        )
-        return record, view
-    view = ndarray_bytes(value)
+        grad = isinstance(value, torch.nn.Parameter) and value.requires_grad
+        return ArrayRecord(leaf.path, "torch", torch_dtype_name(value.dtype), list(value.shape), _nbytes(leaf),
+                           value.dtype.itemsize, rules.codec_for(leaf.path), grad, str(value.device))
     codec = rules.codec_for(leaf.path) if leaf.kind == "numpy" else "zstd"
-    record = ArrayRecord(leaf.path, leaf.kind, value.dtype.str, list(value.shape), view.nbytes,
-                         value.dtype.itemsize, codec)
-    return record, view
+    return ArrayRecord(leaf.path, leaf.kind, value.dtype.str, list(value.shape), value.nbytes,
+                       value.dtype.itemsize, codec)
+
+
+def _live_view(leaf: Leaf) -> memoryview:
+    if leaf.kind == "torch":
+        return tensor_bytes(host_contiguous(leaf.value))
+    return ndarray_bytes(leaf.value)

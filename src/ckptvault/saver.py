@@ -1,0 +1,166 @@
+"""The save pipeline shared by synchronous and asynchronous saves.
+
+Order of calls for one save: ``Saver.submit`` (caller's thread: raise any
+unreported error of an earlier save, wait for or skip a save in flight,
+take the snapshot) -> ``_complete`` (background thread when asynchronous:
+choose the delta base, write chunks, commit the manifest, run the after-commit
+hook such as retention). At most one save is in flight per Saver, so staging
+memory is bounded by one copy of the state.
+
+Errors of a background save are set on its handle and also kept until the
+next ``submit``, ``wait`` or ``close``, which raise them: a failure is never
+lost, and a failed save never commits.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import threading
+import warnings
+import weakref
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from .delta import DeltaPolicy, delta_context
+from .errors import InvalidArgumentError
+from .handle import SaveHandle
+from .info import info_from_manifest
+from .rules import CodecRules
+from .save import build_manifest, commit, write_chunks
+from .snapshot import Snapshot, take_snapshot
+from .staging import StagingBuffer
+from .vault import Vault
+
+log = logging.getLogger(__name__)
+
+Progress = Callable[[int], None]
+ON_BUSY = ("wait", "skip")
+
+
+@dataclass
+class SaveRequest:
+    step: int
+    metrics: dict[str, Any] | None
+    metadata: dict[str, Any] | None
+    overwrite: bool
+    progress: Progress | None
+
+
+class Saver:
+    """Runs saves into one vault, in the background when ``async_save``."""
+
+    def __init__(self, vault: Vault, delta_policy: DeltaPolicy, *, async_save: bool = True, on_busy: str = "wait",
+                 max_staging_bytes: int | None = None, after_commit: Callable[[int], None] | None = None) -> None:
+        if on_busy not in ON_BUSY:
+            raise InvalidArgumentError(f"on_busy must be one of {ON_BUSY}, got {on_busy!r}")
+        self.vault, self.delta_policy = vault, delta_policy
+        self.async_save, self.on_busy = async_save, on_busy
+        self.max_staging_bytes = max_staging_bytes
+        self.after_commit = after_commit
+        self._staging = StagingBuffer()
+        self._executor: ThreadPoolExecutor | None = None
+        self._inflight: SaveHandle | None = None
+        self._error: BaseException | None = None
+        self._lock = threading.Lock()
+        _LIVE.add(self)
+
+    @property
+    def inflight_step(self) -> int | None:
+        handle = self._inflight
+        return handle.step if handle is not None and not handle.done() else None
+
+    def submit(self, request: SaveRequest, state: Any, rules: CodecRules, allow_pickle: bool) -> SaveHandle:
+        """Stage ``state`` and start (or, when synchronous, run) its save."""
+        self.raise_pending()
+        if self.inflight_step is not None and self.on_busy == "skip":
+            warnings.warn(f"skipping the save of step {request.step}: step {self.inflight_step} is still being saved",
+                          RuntimeWarning, stacklevel=3)
+            return SaveHandle.skipped_save(request.step)
+        self._wait_inflight()
+        self.raise_pending()
+        staging = self._staging if self.async_save else None
+        snapshot = take_snapshot(state, rules, allow_pickle, staging, self.max_staging_bytes)
+        if self.async_save and not snapshot.staged:
+            log.warning("step %d needs more staging memory than max_staging_bytes=%s; saving synchronously",
+                        request.step, self.max_staging_bytes)
+        handle = SaveHandle(request.step)
+        handle.staged.set_result(None)
+        if snapshot.staged:
+            self._inflight = handle
+            self._pool().submit(self._complete, handle, request, snapshot)
+        else:
+            self._complete(handle, request, snapshot)
+            self.raise_pending()
+        return handle
+
+    def _complete(self, handle: SaveHandle, request: SaveRequest, snapshot: Snapshot) -> None:
+        """Steps after the snapshot. Never raises: the outcome goes to the handle (and errors to pending)."""
+        try:
+            delta = delta_context(self.vault, self.delta_policy, request.step)
+            chunks, pieces = write_chunks(self.vault, snapshot, request.progress, delta)
+            manifest = build_manifest(request.step, snapshot, chunks, pieces, request.metrics, request.metadata,
+                                      delta.keyframe_step, delta.since_keyframe)
+            commit(self.vault, request.step, manifest, request.overwrite)
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller, not swallowed
+            log.error("save of step %d failed, nothing committed: %s", request.step, exc)
+            with self._lock:
+                self._error = exc
+            handle.committed.set_exception(exc)
+            return
+        handle.committed.set_result(info_from_manifest(manifest))
+        if self.after_commit is not None:
+            try:
+                self.after_commit(request.step)
+            except BaseException as exc:  # noqa: BLE001
+                log.error("after-commit step (retention) of step %d failed: %s", request.step, exc)
+                with self._lock:
+                    self._error = exc
+
+    def raise_pending(self) -> None:
+        """Raise (once) the error of a background save nobody has been told about."""
+        with self._lock:
+            error, self._error = self._error, None
+        if error is not None:
+            raise error
+
+    def _wait_inflight(self) -> None:
+        handle = self._inflight
+        if handle is not None:
+            handle.committed.exception()  # waits; the error itself is kept in self._error
+            self._inflight = None
+
+    def wait(self) -> None:
+        """Wait for the save in flight; raise its error (or an earlier unreported one)."""
+        self._wait_inflight()
+        self.raise_pending()
+
+    def _pool(self) -> ThreadPoolExecutor:
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix="ckptvault-save")
+        return self._executor
+
+    def close(self) -> None:
+        """Flush: wait for the save in flight, stop the background thread, raise any unreported error."""
+        try:
+            self.wait()
+        finally:
+            if self._executor is not None:
+                self._executor.shutdown(wait=True)
+                self._executor = None
+            _LIVE.discard(self)
+
+
+_LIVE: weakref.WeakSet[Saver] = weakref.WeakSet()
+
+
+@atexit.register
+def _flush_at_exit() -> None:
+    """At interpreter exit, finish saves in flight; report failures in the log."""
+    for saver in list(_LIVE):
+        try:
+            saver.close()
+        except BaseException as exc:  # noqa: BLE001 - nobody is left to raise to
+            log.error("a checkpoint save failed before exit: %s", exc)
