@@ -34,6 +34,7 @@ Examples:
   ckptvault prune ./ckpts --keep-last 5     keep the 5 newest (+ latest, pinned); then `ckptvault gc`
   ckptvault gc ./ckpts                      free chunks no checkpoint uses (safe next to training)
   ckptvault ls ./ckpts --json | jq '.checkpoints[].step'
+  ckptvault demo                            train a small GPT into ./demo-vault, restore it, compare with torch.save
 
 \b
 Exit status:

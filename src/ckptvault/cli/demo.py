@@ -31,9 +31,9 @@ from .render import human_bytes, table
 @progress_option
 def demo(vault: str, minutes: float, steps: int | None, every: int, codec: str, batch_size: int, seed: int,
          resume: bool, fresh: bool, repeat: int, as_json: bool, progress: bool | None) -> None:
-    """Train a small GPT on the standard library's sources, checkpointing into a vault.
+    """Train a GPT, checkpoint it, check a restore.
 
-    Trains for about --minutes (or --steps) with AdamW and a warmup-cosine LR
+    Trains a small GPT on the Python standard library's sources for about --minutes (or --steps) with AdamW and a warmup-cosine LR
     schedule, saving model, optimizer, scheduler, step and every RNG state
     every --every steps. Each checkpoint is also written with torch.save
     (fsync included) for comparison. Then a fresh Python process restores the
@@ -93,12 +93,12 @@ def format_report(r: DemoReport) -> str:
             f"(step {r.start_step} -> {r.final_step}) in {r.train_s:.0f} s, final loss {r.final_loss:.3f}\n"
             f"vault: {r.vault} (codec {r.codec})")
     rows: list[tuple[str, str, str]] = [
-        ("checkpoints", f"{n} (steps {_span(r.steps)})", f"{len(r.torch_save_s)} files written"),
+        ("checkpoints", f"{n} ({_span(r.steps)})", _plural(len(r.torch_save_s), "file") + " written"),
         ("logical bytes per checkpoint", human_bytes(r.logical_bytes), "-"),
         ("stored bytes per checkpoint", f"{human_bytes(r.stored_bytes)} ({r.stored_bytes / r.logical_bytes:.3f}x)",
          f"{human_bytes(r.torch_save_bytes)} ({r.torch_save_bytes / r.logical_bytes:.3f}x)"),
         ("added bytes per checkpoint (median)", human_bytes(m["added_bytes"]), human_bytes(r.torch_save_bytes)),
-        (f"total for {n} checkpoints", human_bytes(r.vault_bytes), human_bytes(r.torch_save_bytes * n)),
+        (f"total for {_plural(n, 'checkpoint')}", human_bytes(r.vault_bytes), human_bytes(r.torch_save_bytes * n)),
         ("save time (median)", _seconds(m["save_s"]), _seconds(m["torch_save_s"]) + " (fsync included)"),
         ("restore time (median, fresh process)", _seconds(m["restore_s"]), _seconds(m["torch_load_s"]) + " (torch.load)"),
     ]
@@ -114,5 +114,11 @@ def format_report(r: DemoReport) -> str:
 
 
 def _span(steps: list[int]) -> str:
-    return ", ".join(map(str, steps)) if len(steps) <= 4 else f"{steps[0]}, {steps[1]}, ..., {steps[-1]}"
+    """``steps 2, 4, 6`` / ``step 6`` / ``steps 100, 200, ..., 1100``."""
+    shown = ", ".join(map(str, steps)) if len(steps) <= 4 else f"{steps[0]}, {steps[1]}, ..., {steps[-1]}"
+    return f"step{'s' if len(steps) != 1 else ''} {shown}"
+
+
+def _plural(n: int, noun: str) -> str:
+    return f"{n} {noun}{'s' if n != 1 else ''}"
 
