@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .arrays import ndarray_bytes
+from .arrays import ndarray_bytes, tensor_bytes
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +62,9 @@ class StagingBuffer:
         views = []
         for (kind, value), offset, size in zip(values, offsets, sizes, strict=True):
             region = buffer[offset : offset + size]
-            if size and kind == "torch":
+            if size and kind == "torch" and _plain_cpu(value):  # as bytes: uint1..7/int1..7 have no copy kernel
+                np.copyto(region.numpy(), np.frombuffer(tensor_bytes(value.detach()), dtype=np.uint8))
+            elif size and kind == "torch":
                 target = region.view(value.dtype).view(value.shape)
                 target.copy_(value.detach(), non_blocking=value.device.type != "cpu")
                 on_device = on_device or value.device.type == "cuda"
@@ -72,3 +74,8 @@ class StagingBuffer:
         if on_device:
             torch.cuda.synchronize()
         return views
+
+
+def _plain_cpu(t: torch.Tensor) -> bool:
+    """A CPU tensor whose memory holds exactly its values in C order (no conj/neg bit to resolve)."""
+    return t.device.type == "cpu" and t.is_contiguous() and not t.is_conj() and not t.is_neg()
