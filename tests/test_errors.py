@@ -135,7 +135,7 @@ def test_future_vault_descriptor(saved: tuple[str, Any, Any]) -> None:
     desc = json.loads(path.read_text())
     desc["version"] = 99
     path.write_text(json.dumps(desc))
-    for action in (lambda m: m.restore(5), lambda m: m.save(6, {"x": 1})):
+    for action in (lambda m: m.restore(5), lambda m: m.save(6, {"x": 1}).wait()):
         with ckptvault.CheckpointManager(url) as mgr, pytest.raises(FormatVersionError,
                                                                     match=r"uses format version 99; this ckptvault reads "
                                                                           r"up to 1: upgrade"):
@@ -175,9 +175,9 @@ def test_unknown_codec_stage(saved: tuple[str, Any, Any]) -> None:
 
 def test_step_exists_unless_overwrite(vault_url: str) -> None:
     with ckptvault.CheckpointManager(vault_url) as mgr:
-        mgr.save(3, {"x": torch.ones(2)})
+        mgr.save(3, {"x": torch.ones(2)}).wait()
         with pytest.raises(StepExistsError, match=r"step 3 is already committed in .*; pass overwrite=True") as info:
-            mgr.save(3, {"x": torch.zeros(2)})
+            mgr.save(3, {"x": torch.zeros(2)}).wait()
         assert isinstance(info.value, FileExistsError) and info.value.step == 3
         assert_same_state({"x": torch.ones(2)}, mgr.restore(3))
         mgr.save(3, {"x": torch.zeros(2), "y": "new"}, overwrite=True, metrics={"v": 2}).wait()
@@ -188,7 +188,7 @@ def test_step_exists_unless_overwrite(vault_url: str) -> None:
 def test_step_not_found_lists_available_steps(vault_url: str) -> None:
     with ckptvault.CheckpointManager(vault_url) as mgr:
         for step in (10, 20, 30):
-            mgr.save(step, {"s": step})
+            mgr.save(step, {"s": step}).wait()
         expected = r"step 15 has no committed checkpoint in .*; committed steps: 10, 20, 30"
         with pytest.raises(StepNotFoundError, match=expected) as info:
             mgr.restore(15)
@@ -233,7 +233,7 @@ class _Custom:
 def test_unsupported_object_names_key_path(memory_url: str, state: dict[str, Any], path: str, kind: str) -> None:
     with ckptvault.CheckpointManager(memory_url) as mgr:
         with pytest.raises(UnsupportedObjectError) as info:
-            mgr.save(1, state)
+            mgr.save(1, state).wait()
         assert f"cannot store {kind} at key path {path!r}" in str(info.value)
         assert "allow_pickle=True" in str(info.value)
         assert isinstance(info.value, TypeError) and info.value.path == path
@@ -242,7 +242,7 @@ def test_unsupported_object_names_key_path(memory_url: str, state: dict[str, Any
 
 def test_pickle_not_allowed(memory_url: str) -> None:
     with ckptvault.CheckpointManager(memory_url) as mgr:
-        mgr.save(1, {"cfg": {"tags": {"a"}}, "w": torch.ones(1)}, allow_pickle=True)
+        mgr.save(1, {"cfg": {"tags": {"a"}}, "w": torch.ones(1)}, allow_pickle=True).wait()
         with pytest.raises(PickleNotAllowedError, match=r"key path 'cfg.tags' was saved with pickle; pass allow_pickle=True"):
             mgr.restore(1)
         with pytest.raises(PickleNotAllowedError):
@@ -253,7 +253,7 @@ def test_pickle_not_allowed(memory_url: str) -> None:
 
 def test_into_shape_and_dtype_mismatch(memory_url: str) -> None:
     with ckptvault.CheckpointManager(memory_url) as mgr:
-        mgr.save(1, {"model": {"w": torch.ones(2, 3), "b": torch.ones(3)}})
+        mgr.save(1, {"model": {"w": torch.ones(2, 3), "b": torch.ones(3)}}).wait()
         with pytest.raises(KeyMismatchError, match=re.escape("'w': saved float32[2, 3], target is float32[3, 2]")) as info:
             mgr.restore(1, into={"w": torch.zeros(3, 2), "b": torch.zeros(3)})
         assert isinstance(info.value, KeyError)
@@ -263,7 +263,7 @@ def test_into_shape_and_dtype_mismatch(memory_url: str) -> None:
 
 def test_into_unknown_and_missing_keys(memory_url: str) -> None:
     with ckptvault.CheckpointManager(memory_url) as mgr:
-        mgr.save(1, {"model": {"w": torch.ones(2), "b": torch.ones(1)}})
+        mgr.save(1, {"model": {"w": torch.ones(2), "b": torch.ones(1)}}).wait()
         with pytest.raises(KeyMismatchError, match=r"into= tensors \['nope'\] are not in the checkpoint"):
             mgr.restore(1, into={"nope": torch.zeros(2)})
         with pytest.raises(KeyMismatchError, match=r"holds 1 tensors under 'model' that into= lacks, such as \['model.b'\]"):
@@ -281,7 +281,7 @@ def test_into_unknown_and_missing_keys(memory_url: str) -> None:
 def test_bad_step(memory_url: str, step: Any) -> None:
     with ckptvault.CheckpointManager(memory_url) as mgr:
         with pytest.raises(InvalidArgumentError, match=f"step must be a non-negative int, got {re.escape(repr(step))}") as info:
-            mgr.save(step, {"x": 1})
+            mgr.save(step, {"x": 1}).wait()
         assert isinstance(info.value, ValueError)
         if step is not None:  # None means "latest" on restore
             with pytest.raises(InvalidArgumentError, match="step must be a non-negative int"):
@@ -301,7 +301,7 @@ def test_bad_chunk_size(memory_url: str, chunk_size: int) -> None:
     with ckptvault.CheckpointManager(memory_url, chunk_size=chunk_size) as mgr:
         expected = f"chunk_size must be a multiple of 64 between 65536 and 268435456, got {chunk_size}"
         with pytest.raises(InvalidArgumentError, match=expected):
-            mgr.save(1, {"x": torch.ones(1)})
+            mgr.save(1, {"x": torch.ones(1)}).wait()
         assert mgr.steps() == []
 
 
@@ -312,11 +312,12 @@ def test_bad_chunk_size(memory_url: str, chunk_size: int) -> None:
     ({1: 2.0}, "must be a dict with str keys"),
 ])
 def test_bad_metrics(memory_url: str, metrics: Any, detail: str) -> None:
+    """Each failed save reports its own error once: the next save is not failed by the previous one's error."""
     with ckptvault.CheckpointManager(memory_url) as mgr:
         with pytest.raises(InvalidArgumentError, match=f"metrics .*{detail}"):
-            mgr.save(1, {"x": torch.ones(1)}, metrics=metrics)
+            mgr.save(1, {"x": torch.ones(1)}, metrics=metrics).wait()
         with pytest.raises(InvalidArgumentError, match="metadata"):
-            mgr.save(1, {"x": torch.ones(1)}, metadata={"when": {1, 2}})
+            mgr.save(1, {"x": torch.ones(1)}, metadata={"when": {1, 2}}).wait()
         assert mgr.steps() == []
         info = mgr.save(1, {"x": torch.ones(1)}, metrics={"loss": np.float32(0.5), "t": torch.tensor(2.0)}).wait()
         assert info.metrics == {"loss": 0.5, "t": 2.0}  # numpy / 0-d torch scalars become floats

@@ -280,7 +280,7 @@ def test_keys_reads_only_the_matching_chunks(local_url: str) -> None:
 def test_keys_selects_inside_lists_and_tuples(memory_url: str) -> None:
     state = {"layers": [{"w": torch.ones(2)}, {"w": torch.zeros(2)}], "pair": (torch.ones(1), "x"), "lr": 0.5}
     with ckptvault.CheckpointManager(memory_url) as mgr:
-        mgr.save(1, state)
+        mgr.save(1, state).wait()
         assert_same_state({"layers": [{"w": torch.zeros(2)}]}, mgr.restore(keys=["layers.1.*"]))
         assert_same_state({"pair": ("x",), "lr": 0.5}, mgr.restore(keys=["pair.1", "lr"]))
 
@@ -309,7 +309,7 @@ def test_into_non_contiguous_targets(memory_url: str) -> None:
     w, z = torch.randn(6, 4), torch.randn(3, dtype=torch.complex64)
     arr = np.arange(10, dtype=">i4")
     with ckptvault.CheckpointManager(memory_url) as mgr:
-        mgr.save(1, {"w": w, "z": z, "arr": arr, "s": w[:, 1]})
+        mgr.save(1, {"w": w, "z": z, "arr": arr, "s": w[:, 1]}).wait()
         buf = torch.zeros(4, 6)
         big = torch.zeros(12)
         conj_target = torch.zeros(3, dtype=torch.complex64).conj()
@@ -333,7 +333,7 @@ def test_pickle_needs_allow_pickle_both_ways(vault_url: str) -> None:
         restored = mgr.restore(1, allow_pickle=True)
         assert restored["tags"] == {"a", "b"} and restored["obj"][0] == {"k": 1}
         assert restored["q"].is_quantized and torch.equal(restored["q"].int_repr(), state["q"].int_repr())
-        mgr.save(2, {"w": torch.ones(2)}, allow_pickle=True)
+        mgr.save(2, {"w": torch.ones(2)}, allow_pickle=True).wait()
         assert mgr.manifest(2)["pickle"] is False  # nothing needed pickle: the checkpoint stays loadable without it
 
 
