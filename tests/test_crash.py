@@ -19,7 +19,6 @@ named in every failure (rerun with CKPTVAULT_CRASH_SEED=<seed>).
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import random
 import select
@@ -36,21 +35,12 @@ import pytest
 
 from ckptvault import CheckpointManager
 from ckptvault.format.chunk_object import chunk_key
+from helpers.statedigest import state_digest
 
 HELPERS = Path(__file__).parent / "helpers"
 SAVER = HELPERS / "saver.py"
 CHUNK_SIZE = 256 << 10
 IO_TIMEOUT = 120.0
-
-
-def _load_digest():  # type: ignore[no-untyped-def]
-    spec = importlib.util.spec_from_file_location("crash_statedigest", HELPERS / "statedigest.py")
-    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-    spec.loader.exec_module(module)  # type: ignore[union-attr]
-    return module.state_digest
-
-
-state_digest = _load_digest()
 
 
 # -- the saver's log -------------------------------------------------------------------------------
