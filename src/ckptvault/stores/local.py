@@ -48,12 +48,13 @@ class LocalStore(Store):
             path.mkdir(parents=True, exist_ok=True)
         self._made_dirs.add(path)
 
-    def _write_temp(self, data: bytes | memoryview) -> Path:
+    def _write_temp(self, data: bytes | memoryview, final: Path) -> Path:
+        """Write ``data`` to a new fsynced temp file for ``final`` (named in errors, e.g. when space runs out)."""
         tmp_dir = self.root / TMP_DIR
         self._ensure_dir(tmp_dir)
         tmp = tmp_dir / f"{uuid.uuid4().hex}.part"
         try:
-            with _classified(str(tmp)):
+            with _classified(str(final)):
                 fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
                 try:
                     view = memoryview(data).cast("B")
@@ -82,9 +83,9 @@ class LocalStore(Store):
     def put(self, key: str, data: bytes | memoryview) -> None:
         final = self._path(key)
         self._ensure_dir(final.parent)
-        tmp = self._write_temp(data)
+        tmp = self._write_temp(data, final)
         try:
-            with _classified(key):
+            with _classified(str(final)):
                 os.replace(tmp, final)
         except BaseException:
             _unlink_quietly(tmp)
@@ -96,9 +97,9 @@ class LocalStore(Store):
         if final.exists():
             return False
         self._ensure_dir(final.parent)
-        tmp = self._write_temp(data)
+        tmp = self._write_temp(data, final)
         try:
-            with _classified(key):
+            with _classified(str(final)):  # link(2) can fail with ENOSPC too (tmpfs counts links against inodes)
                 try:
                     os.link(tmp, final)
                     created = True
@@ -180,10 +181,12 @@ class _classified:
         if isinstance(exc, FileNotFoundError):
             raise ObjectNotFoundError(f"no object {self.what!r} in the store") from exc
         if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-            raise StorageFullError(
+            full = StorageFullError(
                 f"no space left while writing {self.what!r}: {exc.strerror}. Committed checkpoints are intact; "
                 "free space (for example `ckptvault rm` old steps, then `ckptvault gc`) and save again"
-            ) from exc
+            )
+            full.errno = exc.errno  # `except OSError as e: e.errno == ENOSPC` keeps working (not strerror: str() uses it)
+            raise full from exc
         if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
             raise PermanentStorageError(f"permission denied for {self.what!r}: {exc.strerror}") from exc
         raise StorageError(f"storage error on {self.what!r}: {exc}") from exc
