@@ -59,6 +59,7 @@ def plan_chunks(
     plans: list[ChunkPlan] = []
     pieces: list[list[Piece]] = [[] for _ in leaves]
     open_packs: dict[tuple[str, int], int] = {}
+    filled: dict[int, int] = {}  # bytes in each pack so far (ChunkPlan.nbytes would make packing quadratic)
     for index, leaf in enumerate(leaves):
         if leaf.nbytes == 0:
             continue
@@ -70,9 +71,11 @@ def plan_chunks(
             continue
         key = (leaf.codec, leaf.itemsize)
         slot = open_packs.get(key)
-        if slot is None or plans[slot].nbytes + leaf.nbytes > chunk_size:
+        if slot is None or filled[slot] + leaf.nbytes > chunk_size:
             plans.append(ChunkPlan(leaf.codec, leaf.itemsize))
             slot = open_packs[key] = len(plans) - 1
-        pieces[index].append(Piece(slot, plans[slot].nbytes, leaf.nbytes))
+            filled[slot] = 0
+        pieces[index].append(Piece(slot, filled[slot], leaf.nbytes))
         plans[slot].sources.append(Source(index, 0, leaf.nbytes))
+        filled[slot] += leaf.nbytes
     return plans, pieces
