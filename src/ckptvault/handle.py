@@ -17,6 +17,7 @@ class SaveHandle:
     def __init__(self, step: int) -> None:
         self.step = step
         self.skipped = False
+        self.reported = False  # wait() raised this save's error to the caller
         self.staged: Future[None] = Future()
         self.committed: Future[CheckpointInfo | None] = Future()
 
@@ -30,8 +31,16 @@ class SaveHandle:
         return handle
 
     def wait(self, timeout: float | None = None) -> CheckpointInfo | None:
-        """Block until committed; return its info (None if skipped) or raise the save's error."""
-        return self.committed.result(timeout)
+        """Block until committed; return its info (None if skipped) or raise the save's error.
+
+        An error raised here is not raised again by the manager's next save, wait or close.
+        """
+        try:
+            return self.committed.result(timeout)
+        except BaseException:
+            if self.committed.done():
+                self.reported = True
+            raise
 
     def done(self) -> bool:
         return self.committed.done()

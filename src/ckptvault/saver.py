@@ -64,6 +64,7 @@ class Saver:
         self._executor: ThreadPoolExecutor | None = None
         self._inflight: SaveHandle | None = None
         self._error: BaseException | None = None
+        self._error_handle: SaveHandle | None = None  # the failed save's handle: its wait() reports the error
         self._lock = threading.Lock()
         _LIVE.add(self)
 
@@ -107,7 +108,7 @@ class Saver:
         except BaseException as exc:  # noqa: BLE001 - handed to the caller, not swallowed
             log.error("save of step %d failed, nothing committed: %s", request.step, exc)
             with self._lock:
-                self._error = exc
+                self._error, self._error_handle = exc, handle
             handle.committed.set_exception(exc)
             return
         handle.committed.set_result(info_from_manifest(manifest))
@@ -122,8 +123,8 @@ class Saver:
     def raise_pending(self) -> None:
         """Raise (once) the error of a background save nobody has been told about."""
         with self._lock:
-            error, self._error = self._error, None
-        if error is not None:
+            error, handle, self._error, self._error_handle = self._error, self._error_handle, None, None
+        if error is not None and not (handle is not None and handle.reported):  # wait() already raised it
             raise error
 
     def _wait_inflight(self) -> None:
