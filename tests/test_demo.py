@@ -61,7 +61,8 @@ def test_demo_trains_checkpoints_and_restores_bit_exactly(demo_vault: tuple[Path
     assert "trained 6 steps (step 0 -> 6)" in out
     assert "checkpoints" in out and "3 (steps 2, 4, 6)" in out and "3 files written" in out
     for row in ("logical bytes per checkpoint", "stored bytes per checkpoint", "added bytes per checkpoint (median)",
-                "total for 3 checkpoints", "save time (median)", "restore time (median, fresh process)"):
+                "total for 3 checkpoints", "save: training blocked (median)", "save: until durable (median)",
+                "restore time (median, fresh process)"):
         assert row in out, f"missing row {row!r} in:\n{out}"
     assert "(fsync included)" in out and "(torch.load)" in out
     assert "restore of step 6 in a fresh process: bit-exact" in out
@@ -96,7 +97,7 @@ def test_demo_resume_continues_exactly_and_reports_json(demo_vault: tuple[Path, 
     assert report["ok"] is True and report["check"]["num_mismatches"] == 0
     assert (report["start_step"], report["final_step"]) == (6, 8)
     assert report["steps"] == [2, 4, 6, 8]
-    assert len(report["save_s"]) == len(report["torch_save_s"]) == len(report["added_bytes"]) == 1
+    assert [len(report[k]) for k in ("save_s", "save_blocked_s", "torch_save_s", "added_bytes")] == [1, 1, 1, 1]
     assert report["logical_bytes"] > 0 and 0 < report["stored_bytes"] <= report["logical_bytes"] * 1.01
 
     # Resuming at step 6 in another process gives the state of an uninterrupted 8-step run, bit for bit.
@@ -151,7 +152,7 @@ def test_check_process_fails_when_the_saved_state_differs(tmp_path: Path) -> Non
 def test_report_names_mismatches() -> None:
     report = DemoReport(vault="/v", codec="zstd", params=1000, steps=[2], start_step=0, final_step=2, final_loss=3.0,
                         train_s=1.0, logical_bytes=100, stored_bytes=80, vault_bytes=80, added_bytes=[80],
-                        save_s=[0.01], torch_save_s=[0.02], torch_save_bytes=110,
+                        save_s=[0.01], save_blocked_s=[0.002], torch_save_s=[0.02], torch_save_bytes=110,
                         check={"ok": False, "step": 2, "entries": 7, "mismatches": ["model.w", "step"],
                                "num_mismatches": 2, "restore_median_s": 0.01, "torch_load_median_s": 0.02})
     assert not report.ok
