@@ -199,8 +199,8 @@ def run_trial(server: SaverServer, campaign: Campaign, trial: int, tmp: Path) ->
     log = read_log(path)
     ctx = f"seed {campaign.seed}, trial {trial} ({'overwrite' if overwrite else 'append'}, kill {moment})"
     print(ctx, f"-> {len(log.committed)} committed, in flight {log.inflight}")
+    assert not log.errors, f"{ctx}: the saver failed: {log.errors}"
     assert status == "signal 9", f"{ctx}: saver ended with {status}, not by SIGKILL"
-    assert not log.errors, f"{ctx}: {log.errors}"
     campaign.durations.extend(log.durations)
     campaign.cycles.extend(b - a for a, b in zip(log.begin_times, log.begin_times[1:]))
     outcome = check_against_log(campaign, log, ctx, full_verify=trial % 8 == 7)
