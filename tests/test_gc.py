@@ -393,3 +393,19 @@ def test_store_clock_is_used(vault: Path) -> None:
         plan = plan_gc(mgr.vault, 0)
     assert plan.clock == "store" and abs(plan.now - before) < 60
     assert not (vault / "gc").exists() or not any((vault / "gc").iterdir())
+
+
+def test_gc_and_prune_on_a_memory_store(memory_url: str) -> None:
+    with CheckpointManager(memory_url, chunk_size=CHUNK, incremental=False, async_save=False) as mgr:
+        for step in range(3):
+            mgr.save(step, state_for(step))
+        ids = {s: {c["id"] for c in mgr.manifest(s)["chunks"]} for s in range(3)}
+        _, pruned = mgr.prune(KeepLast(1))
+        assert pruned is not None and pruned.deleted == [0, 1]
+        plan, result = mgr.gc(0)
+        assert plan.clock == "store" and result is not None
+        deleted = {g.key.rsplit("/", 1)[1] for g in result.deleted if g.kind == "chunk"}
+        assert deleted == (ids[0] | ids[1]) - ids[2] and len(deleted) >= 2
+        assert_same_state(state_for(2), mgr.restore(2))
+        assert mgr.verify().ok
+        assert not list(mgr.vault.store.list("gc/"))

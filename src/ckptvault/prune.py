@@ -101,12 +101,14 @@ def execute_prune(vault: Vault, plan: PrunePlan) -> PruneResult:
     """Delete the manifests of the plan's dropped steps, re-checking pins and the latest step first."""
     result = PruneResult()
     store = vault.store
+    latest = _latest(vault)
     for step in plan.drop:
         if any(True for _ in store.list(f"{PINS_PREFIX}{step:020d}/")):
             result.skipped[step] = "pinned"
             continue
-        committed = vault.steps()
-        if committed and step >= committed[-1]:
+        if latest is not None and not store.exists(manifest_key(latest)):
+            latest = _latest(vault)  # the newest step was deleted meanwhile: list again
+        if latest is None or step >= latest:
             result.skipped[step] = "latest"
             continue
         try:
@@ -143,6 +145,11 @@ def apply_retention(vault: Vault, retention: Retention, step: int) -> PruneResul
     except VaultError as exc:
         log.warning("retention after step %d was not applied: %s", step, exc)
         return None
+
+
+def _latest(vault: Vault) -> int | None:
+    steps = vault.steps()
+    return steps[-1] if steps else None
 
 
 def _protect(decisions: list[Decision], protect: set[int]) -> list[Decision]:
