@@ -18,7 +18,7 @@ from .render import human_bytes, table
 @click.option("--minutes", type=click.FloatRange(min=0, min_open=True), default=2.0, show_default=True,
               help="Training time budget (ignored with --steps).")
 @click.option("--steps", type=click.IntRange(min=1), default=None, help="Train exactly this many steps instead.")
-@click.option("--every", type=click.IntRange(min=1), default=100, show_default=True,
+@click.option("--every", type=click.IntRange(min=1), default=50, show_default=True,
               help="Checkpoint every K steps (and always at the last step).")
 @click.option("--codec", default="zstd", show_default=True, help="Vault codec: zstd, zstd-N, lz4, none/fast.")
 @click.option("--batch-size", type=click.IntRange(min=1), default=16, show_default=True)

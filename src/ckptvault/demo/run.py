@@ -50,7 +50,7 @@ class DemoOptions:
     vault: str = "./demo-vault"
     minutes: float = 2.0
     steps: int | None = None
-    every: int = 100
+    every: int = 50
     codec: str = "zstd"
     resume: bool = False
     fresh: bool = False
