@@ -17,6 +17,7 @@ import torch
 
 from .arrays import empty_like_record, finish_ndarray, tensor_bytes, torch_dtype, writable_bytes
 from .errors import CorruptChunkError, KeyMismatchError, ObjectNotFoundError, PickleNotAllowedError
+from .parallel import map_all
 from .rules import any_match
 from .tree import join_path, leaf_paths, unflatten
 from .vault import Vault
@@ -49,8 +50,7 @@ def read_into(vault: Vault, manifest: dict[str, Any], dests: dict[int, memoryvie
         if progress:
             progress(chunks[chunk]["raw"])
 
-    for _ in vault.pool.map(fetch, sorted(jobs)):
-        pass
+    map_all(vault.pool, fetch, sorted(jobs))
 
 
 def select(manifest: dict[str, Any], keys: Iterable[str] | None) -> set[str] | None:

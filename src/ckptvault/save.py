@@ -27,6 +27,7 @@ from .format import FORMAT_VERSION
 from .format.chunk_object import ChunkHeader, chunk_id, chunk_key, encode_object
 from .format.manifest import MANIFEST_FORMAT, encode_manifest, manifest_key
 from .layout import ChunkPlan, LeafSpec, Piece, plan_chunks
+from .parallel import map_all
 from .snapshot import Snapshot
 from .vault import Vault
 
@@ -61,7 +62,7 @@ def write_chunks(vault: Vault, snapshot: Snapshot, progress: Progress | None = N
     plans, pieces = plan_chunks(specs, chunk_size, pack_threshold(chunk_size))
     bases = find_bases(plans, snapshot.records, delta.keyframe) if delta.keyframe else [None] * len(plans)
     writer = _ChunkWriter(vault, snapshot, progress, delta.known_bases)
-    results = list(vault.pool.map(writer.write, plans, bases))
+    results = map_all(vault.pool, writer.write, plans, bases)
     return results, pieces
 
 
