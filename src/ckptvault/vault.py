@@ -129,7 +129,10 @@ class Vault:
                 raise CorruptChunkError(cid, f"its delta base {header.base} is missing") from None
             if base_header.base is not None:
                 raise CorruptChunkError(cid, f"its delta base {header.base} is itself a delta (chains are limited to 1)")
-            base_raw = decode_payload(header.base, base_header, base_payload)
+            try:
+                base_raw = decode_payload(header.base, base_header, base_payload)
+            except CorruptChunkError as exc:  # name the damaged base, not only the delta that needs it
+                raise CorruptChunkError(cid, f"its delta base {header.base} is corrupt: {exc.reason}") from None
         return decode_payload(cid, header, payload, base_raw)
 
     def chunk_base(self, cid: str) -> str | None:
