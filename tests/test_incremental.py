@@ -1,0 +1,450 @@
+"""Incremental checkpoints (issue 3): dedup of unchanged chunks, XOR deltas against a keyframe, keyframe cadence.
+
+Every test trains a real torch model with a real optimizer and saves into a real local vault with the
+default asynchronous saves (waited for before reading). Chunks are 64 KiB so that small models span
+several chunks; arrays of at least 16 KiB get chunks of their own, smaller ones are packed together.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from ckptvault import CheckpointManager
+from ckptvault.errors import CorruptChunkError, InvalidArgumentError
+from ckptvault.format.chunk_object import chunk_key, parse_object
+from ckptvault.gc import collect
+from conftest import assert_same_state
+
+CHUNK = 64 << 10
+HEADER_SLACK = 256  # object header + codec framing of one chunk, generously
+
+
+def manager(root: Path, **kwargs: Any) -> CheckpointManager:
+    return CheckpointManager(root, chunk_size=CHUNK, **kwargs)
+
+
+def snapshot_state(model: nn.Module, opt: torch.optim.Optimizer, step: int) -> dict[str, Any]:
+    """A deep copy of the training state, so later steps cannot change what a test compares against."""
+    return copy.deepcopy({"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step})
+
+
+def train_step(model: nn.Module, opt: torch.optim.Optimizer, gen: torch.Generator, width: int = 256) -> None:
+    x = torch.randn(32, width, generator=gen)
+    opt.zero_grad(set_to_none=True)
+    model(x).pow(2).mean().backward()
+    opt.step()
+
+
+def save_run(root: Path, model: nn.Module, opt: torch.optim.Optimizer, steps: int, **kwargs: Any
+             ) -> dict[int, dict[str, Any]]:
+    """Train ``steps`` steps, saving after each; return the saved states by step."""
+    gen = torch.Generator().manual_seed(1)
+    states = {}
+    with manager(root, **kwargs) as mgr:
+        for step in range(steps):
+            train_step(model, opt, gen)
+            states[step] = snapshot_state(model, opt, step)
+            mgr.save(step, states[step])
+        mgr.wait()
+    return states
+
+
+def mlp(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 64))
+
+
+def delta_chunks(manifest: dict[str, Any]) -> list[dict[str, Any]]:
+    return [c for c in manifest["chunks"] if c.get("base")]
+
+
+def chunk_ids_of(manifest: dict[str, Any], prefix: str) -> set[str]:
+    """Ids of every chunk holding bytes of a tensor whose key path starts with ``prefix``."""
+    chunks = manifest["chunks"]
+    return {chunks[p[0]]["id"] for t in manifest["tensors"] if t["path"].startswith(prefix) for p in t["pieces"]}
+
+
+def assert_restores_exactly(mgr: CheckpointManager, states: dict[int, Any]) -> None:
+    for step, state in states.items():
+        assert_same_state(state, mgr.restore(step))
+
+
+# -- unchanged data costs nothing ------------------------------------------------------------------------
+
+
+class LoRALinear(nn.Module):
+    """A frozen linear layer plus a trainable low-rank update ``B @ A`` (B starts at zero, as in LoRA)."""
+
+    def __init__(self, width: int, rank: int) -> None:
+        super().__init__()
+        self.base = nn.Linear(width, width, bias=False)
+        self.base.weight.requires_grad_(False)
+        self.lora_a = nn.Parameter(torch.randn(rank, width) * 0.01)
+        self.lora_b = nn.Parameter(torch.zeros(width, rank))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + x @ self.lora_a.T @ self.lora_b.T
+
+
+def test_frozen_base_with_adapters_adds_only_adapter_and_optimizer_bytes(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(LoRALinear(256, 4), nn.Tanh(), LoRALinear(256, 4), nn.Tanh(), LoRALinear(256, 4))
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trainable, lr=1e-3)
+    states = save_run(tmp_path / "v", model, opt, 3)
+    adapter_bytes = sum(p.numel() * 4 for p in trainable)
+    opt_bytes = sum(v.numel() * v.element_size() for s in opt.state_dict()["state"].values() for v in s.values())
+    frozen_bytes = sum(m.base.weight.numel() * 4 for m in model if isinstance(m, LoRALinear))
+    assert frozen_bytes > 10 * (adapter_bytes + opt_bytes)  # the frozen base dominates the state
+    with manager(tmp_path / "v") as mgr:
+        keyframe = mgr.manifest(0)
+        frozen_chunks = chunk_ids_of(keyframe, "model.0.base") | chunk_ids_of(keyframe, "model.2.base")
+        for step in (1, 2):
+            m = mgr.manifest(step)
+            assert chunk_ids_of(m, "model.4.base") == chunk_ids_of(keyframe, "model.4.base")
+            new = {c["id"] for c in m["chunks"] if c["new"]}
+            assert not new & frozen_chunks, "a frozen weight was written again"
+            assert 0 < m["added_bytes"] <= adapter_bytes + opt_bytes + len(new) * HEADER_SLACK
+            assert m["added_bytes"] < 0.12 * keyframe["added_bytes"]
+        assert_restores_exactly(mgr, states)
+
+
+def test_saving_the_same_state_again_adds_nothing(tmp_path: Path) -> None:
+    model = mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    train_step(model, opt, torch.Generator().manual_seed(0))
+    state = snapshot_state(model, opt, 0)
+    with manager(tmp_path / "v") as mgr:
+        mgr.save(0, state)
+        mgr.save(1, state).wait()
+        first, second = mgr.manifest(0), mgr.manifest(1)
+        assert second["added_bytes"] == 0
+        assert not any(c["new"] for c in second["chunks"])
+        assert {c["id"] for c in second["chunks"]} == {c["id"] for c in first["chunks"]}
+        assert_same_state(state, mgr.restore(1))
+
+
+def test_frozen_layers_keep_their_chunks(tmp_path: Path) -> None:
+    model = mlp()
+    for p in model[0].parameters():
+        p.requires_grad_(False)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    states = save_run(tmp_path / "v", model, opt, 3)
+    with manager(tmp_path / "v") as mgr:
+        frozen = chunk_ids_of(mgr.manifest(0), "model.0.weight")
+        assert len(frozen) == 4  # 256 KiB in four chunks of its own
+        for step in (1, 2):
+            m = mgr.manifest(step)
+            assert chunk_ids_of(m, "model.0.weight") == frozen
+            assert not any(c["new"] for c in m["chunks"] if c["id"] in frozen)
+        assert_restores_exactly(mgr, states)
+
+
+class TiedLM(nn.Module):
+    """An embedding whose weight is also the output projection (weight tying, as in GPT-2)."""
+
+    def __init__(self, vocab: int = 1024, width: int = 64) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.hidden = nn.Linear(width, width)
+        self.head = nn.Linear(width, vocab, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.hidden(self.embed(tokens))))
+
+
+def test_tied_weights_are_stored_once_and_stay_tied(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = TiedLM()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    gen = torch.Generator().manual_seed(0)
+    states = {}
+    with manager(tmp_path / "v") as mgr:
+        for step in range(3):
+            tokens = torch.randint(0, 1024, (8, 16), generator=gen)
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten()).backward()
+            opt.step()
+            states[step] = snapshot_state(model, opt, step)
+            mgr.save(step, states[step])
+        mgr.wait()
+        table_bytes = 1024 * 64 * 4
+        for step in range(3):
+            m = mgr.manifest(step)
+            paths = [t["path"] for t in m["tensors"]]
+            assert "model.embed.weight" in paths and "model.head.weight" not in paths  # one record, two key paths
+            every = _tensors(states[step])
+            distinct = {t.untyped_storage().data_ptr(): t for t in every}.values()
+            assert m["logical_bytes"] == sum(t.numel() * t.element_size() for t in distinct)
+            assert m["logical_bytes"] == sum(t.numel() * t.element_size() for t in every) - table_bytes
+        restored = mgr.restore(2)
+        assert_same_state(states[2], restored)
+        tied = restored["model"]["head.weight"], restored["model"]["embed.weight"]
+        assert tied[0].untyped_storage().data_ptr() == tied[1].untyped_storage().data_ptr()
+
+
+def _tensors(state: Any) -> list[torch.Tensor]:
+    if isinstance(state, torch.Tensor):
+        return [state]
+    if isinstance(state, dict):
+        return [t for v in state.values() for t in _tensors(v)]
+    if isinstance(state, (list, tuple)):
+        return [t for v in state for t in _tensors(v)]
+    return []
+
+
+def test_sparse_embedding_updates_cost_about_the_touched_rows(tmp_path: Path) -> None:
+    """SparseAdam touches 40 of 8192 rows per step: weights and both moments change only there."""
+    torch.manual_seed(0)
+    rows, width, touched_per_step = 8192, 32, 40
+    emb = nn.Embedding(rows, width, sparse=True)
+    opt = torch.optim.SparseAdam(emb.parameters(), lr=1e-3)
+    gen = torch.Generator().manual_seed(0)
+    states, touched = {}, set()
+    with manager(tmp_path / "v") as mgr:
+        for step in range(4):
+            index = torch.randperm(rows, generator=gen)[:touched_per_step]
+            touched |= set(index.tolist()) if step else set()
+            opt.zero_grad()
+            emb(index).pow(2).sum().backward()
+            opt.step()
+            states[step] = copy.deepcopy({"model": emb.state_dict(), "optimizer": opt.state_dict()})
+            mgr.save(step, states[step])
+            mgr.wait()
+            m = mgr.manifest(step)
+            if step == 0:
+                continue
+            # rows changed since the keyframe, in the weight and both moments
+            changed_bytes = len(touched) * width * 4 * 3
+            assert delta_chunks(m), "expected the changed table chunks to be stored as deltas"
+            assert m["added_bytes"] <= 2 * changed_bytes + len(m["chunks"]) * HEADER_SLACK
+            assert m["added_bytes"] < 0.1 * mgr.manifest(0)["added_bytes"]
+        assert_restores_exactly(mgr, states)
+
+
+# -- deltas ---------------------------------------------------------------------------------------------
+
+
+def test_deltas_are_smaller_bit_exact_and_one_level_deep(tmp_path: Path) -> None:
+    model = mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    states = save_run(tmp_path / "v", model, opt, 4, keyframe_every=10)
+    with manager(tmp_path / "v") as mgr:
+        keyframe = mgr.manifest(0)
+        key_chunks = {c["id"]: c for c in keyframe["chunks"]}
+        assert not delta_chunks(keyframe)
+        for step in (1, 2, 3):
+            m = mgr.manifest(step)
+            assert (m["keyframe_step"], m["since_keyframe"]) == (0, step)
+            deltas = delta_chunks(m)
+            assert len(deltas) >= 8, "the changed 256 KiB weights and moments should be deltas"
+            for entry in deltas:
+                base = entry["base"]
+                assert base in key_chunks and key_chunks[base].get("base") is None
+                assert mgr.vault.chunk_base(base) is None  # the base object is a full chunk: chains stop there
+                assert mgr.vault.chunk_base(entry["id"]) == base
+                assert entry["stored"] < key_chunks[base]["stored"]
+            assert m["added_bytes"] < 0.9 * keyframe["added_bytes"]
+        assert_restores_exactly(mgr, states)
+        assert mgr.verify().ok
+
+
+def test_a_delta_that_does_not_pay_is_stored_in_full(tmp_path: Path) -> None:
+    """Incompressible bytes replaced by fresh incompressible bytes: the XOR is no smaller, so no delta."""
+    gen = torch.Generator().manual_seed(0)
+    states = {s: {"noise": torch.randint(0, 256, (256 << 10,), dtype=torch.uint8, generator=gen)} for s in range(2)}
+    with manager(tmp_path / "v") as mgr:
+        for step, state in states.items():
+            mgr.save(step, state)
+        mgr.wait()
+        m = mgr.manifest(1)
+        assert m["keyframe_step"] == 0 and len(m["chunks"]) == 4
+        assert not delta_chunks(m)
+        assert all(c["new"] for c in m["chunks"])
+        assert_restores_exactly(mgr, states)
+
+
+def test_incremental_false_stores_no_deltas(tmp_path: Path) -> None:
+    model = mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    states = save_run(tmp_path / "v", model, opt, 3, incremental=False)
+    with manager(tmp_path / "v") as mgr:
+        for step in range(3):
+            m = mgr.manifest(step)
+            assert not delta_chunks(m)
+            assert (m["keyframe_step"], m["since_keyframe"]) == (step, 0)
+        assert_restores_exactly(mgr, states)
+
+
+# -- keyframe cadence -------------------------------------------------------------------------------------
+
+
+def cadence(mgr: CheckpointManager) -> list[tuple[int, int]]:
+    return [(mgr.manifest(s)["keyframe_step"], mgr.manifest(s)["since_keyframe"]) for s in mgr.steps()]
+
+
+def test_a_keyframe_every_k_checkpoints(tmp_path: Path) -> None:
+    model = mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    states = save_run(tmp_path / "v", model, opt, 7, keyframe_every=3)
+    with manager(tmp_path / "v") as mgr:
+        assert cadence(mgr) == [(0, 0), (0, 1), (0, 2), (3, 0), (3, 1), (3, 2), (6, 0)]
+        for step in (3, 6):
+            assert not delta_chunks(mgr.manifest(step))
+        four = {c["base"] for c in delta_chunks(mgr.manifest(4))}
+        assert four and four <= {c["id"] for c in mgr.manifest(3)["chunks"]}  # deltas follow the new keyframe
+        assert_restores_exactly(mgr, states)
+
+
+def test_keyframe_every_one_means_no_deltas(tmp_path: Path) -> None:
+    model = mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    save_run(tmp_path / "v", model, opt, 3, keyframe_every=1)
+    with manager(tmp_path / "v") as mgr:
+        assert cadence(mgr) == [(0, 0), (1, 0), (2, 0)]
+
+
+def test_a_keyframe_when_the_previous_checkpoint_grew_too_much(tmp_path: Path) -> None:
+    """keyframe_growth=0.05: a delta checkpoint that added more than 5% of the keyframe forces a keyframe."""
+    model = mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    states = save_run(tmp_path / "v", model, opt, 5, keyframe_growth=0.05)
+    with manager(tmp_path / "v") as mgr:
+        assert mgr.manifest(1)["added_bytes"] > 0.05 * mgr.manifest(0)["stored_bytes"]
+        assert cadence(mgr) == [(0, 0), (0, 1), (2, 0), (2, 1), (4, 0)]
+        assert_restores_exactly(mgr, states)
+    model = mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    save_run(tmp_path / "x", model, opt, 5, keyframe_growth=10.0)
+    with manager(tmp_path / "x") as mgr:
+        assert cadence(mgr) == [(0, 0), (0, 1), (0, 2), (0, 3), (0, 4)]
+
+
+@pytest.mark.parametrize(("every", "growth"), [(0, 0.9), (3, 0.0), (3, -1.0)])
+def test_bad_keyframe_settings_are_refused(tmp_path: Path, every: int, growth: float) -> None:
+    with pytest.raises(InvalidArgumentError, match="keyframe_every must be >= 1" if every < 1 else "keyframe_growth must be > 0"):
+        CheckpointManager(tmp_path / "v", keyframe_every=every, keyframe_growth=growth)
+
+
+def test_a_keyframe_when_the_keyframes_manifest_was_deleted(tmp_path: Path) -> None:
+    model = mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    gen = torch.Generator().manual_seed(0)
+    states = {}
+    with manager(tmp_path / "v") as mgr:
+        for step in range(2):
+            train_step(model, opt, gen)
+            states[step] = snapshot_state(model, opt, step)
+            mgr.save(step, states[step])
+        mgr.wait()
+        mgr.delete(0)
+        train_step(model, opt, gen)
+        states[2] = snapshot_state(model, opt, 2)
+        mgr.save(2, states[2]).wait()
+        m = mgr.manifest(2)
+        assert (m["keyframe_step"], m["since_keyframe"]) == (2, 0)
+        assert not delta_chunks(m)
+        train_step(model, opt, gen)
+        states[3] = snapshot_state(model, opt, 3)
+        mgr.save(3, states[3]).wait()
+        assert mgr.manifest(3)["keyframe_step"] == 2 and delta_chunks(mgr.manifest(3))
+        del states[0]
+        assert_restores_exactly(mgr, states)  # step 1's deltas still find the old keyframe's chunks
+
+
+# -- deletion, gc and damage ------------------------------------------------------------------------------
+
+
+def test_gc_after_deleting_the_keyframe_keeps_every_delta_restorable(tmp_path: Path) -> None:
+    model = mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    states = save_run(tmp_path / "v", model, opt, 4, keyframe_every=10)
+    with manager(tmp_path / "v") as mgr:
+        bases = {c["base"] for s in (1, 2, 3) for c in delta_chunks(mgr.manifest(s))}
+        assert bases
+        only_keyframe = {c["id"] for c in mgr.manifest(0)["chunks"]} - bases
+        mgr.delete(0)
+        plan, result = collect(mgr.vault, grace=0)
+        assert result is not None
+        deleted = {g.key for g in result.deleted}
+        assert not {chunk_key(b) for b in bases} & deleted, "gc deleted a delta base"
+        still_used = {c["id"] for s in (1, 2, 3) for c in mgr.manifest(s)["chunks"]}
+        assert only_keyframe - still_used, "the keyframe should own some chunks no later checkpoint uses"
+        assert {chunk_key(c) for c in only_keyframe - still_used} <= deleted
+        report = mgr.verify()
+        assert report.ok and report.checked == [1, 2, 3], report.problems
+        del states[0]
+        assert_restores_exactly(mgr, states)
+
+
+def test_a_corrupt_base_chunk_fails_the_delta_restore(tmp_path: Path) -> None:
+    model = mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    save_run(tmp_path / "v", model, opt, 2)
+    with manager(tmp_path / "v") as mgr:
+        delta = delta_chunks(mgr.manifest(1))[0]
+        path = tmp_path / "v" / chunk_key(delta["base"])
+        data = bytearray(path.read_bytes())
+        header, _ = parse_object(delta["base"], bytes(data))
+        data[-1] ^= 0xFF  # damage the payload, keep the header readable
+        path.chmod(0o644)
+        path.write_bytes(bytes(data))
+        with pytest.raises(CorruptChunkError) as caught:
+            mgr.restore(1)
+        message = str(caught.value)
+        assert delta["base"] in message and "delta base" in message and "step 1" in message
+        assert header.base is None
+        report = mgr.verify(1)
+        assert not report.ok and any(delta["base"] in p for p in report.problems[1])
+
+
+# -- states whose shape or key set changes ----------------------------------------------------------------
+
+
+def test_resized_embedding_and_new_param_group_are_stored_in_full_and_restore_exactly(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    emb = nn.Embedding(1000, 64)
+    head = nn.Linear(64, 64)
+    opt = torch.optim.AdamW(list(emb.parameters()) + list(head.parameters()), lr=1e-4)
+    gen = torch.Generator().manual_seed(0)
+
+    def step_once() -> None:
+        tokens = torch.randint(0, emb.num_embeddings, (32,), generator=gen)
+        opt.zero_grad()
+        head(emb(tokens)).pow(2).mean().backward()
+        opt.step()
+
+    states = {}
+    with manager(tmp_path / "v") as mgr:
+        step_once()
+        states[0] = snapshot_state(nn.ModuleDict({"emb": emb, "head": head}), opt, 0)
+        mgr.save(0, states[0])
+        # grow the vocabulary by 200 rows (a fresh embedding and optimizer, as when resizing token embeddings)
+        grown = nn.Embedding(1200, 64)
+        with torch.no_grad():
+            grown.weight[:1000] = emb.weight
+        emb = grown
+        extra = nn.Linear(64, 64)
+        opt = torch.optim.AdamW(list(emb.parameters()) + list(head.parameters()), lr=1e-4)
+        opt.add_param_group({"params": list(extra.parameters()), "lr": 1e-3})
+        step_once()
+        extra(torch.randn(4, 64)).sum().backward()
+        opt.step()
+        states[1] = snapshot_state(nn.ModuleDict({"emb": emb, "head": head, "extra": extra}), opt, 1)
+        mgr.save(1, states[1]).wait()
+        m = mgr.manifest(1)
+        assert m["keyframe_step"] == 0
+        by_path = {t["path"]: t for t in m["tensors"]}
+        assert by_path["model.emb.weight"]["shape"] == [1200, 64]
+        resized = chunk_ids_of(m, "model.emb.weight") | chunk_ids_of(m, "model.extra")
+        assert not any(c.get("base") for c in m["chunks"] if c["id"] in resized)
+        assert len(m["tensors"]) > len(mgr.manifest(0)["tensors"])
+        assert len(states[1]["optimizer"]["param_groups"]) == 2
+        assert_restores_exactly(mgr, states)
