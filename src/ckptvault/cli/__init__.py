@@ -12,6 +12,7 @@ import click
 from .. import __version__
 from .common import VaultGroup, configure_logging
 from .demo import demo
+from .diff import diff
 from .inspect import du, ls, show
 from .maintenance import COMMANDS as MAINTENANCE_COMMANDS
 from .remove import rm
@@ -30,6 +31,7 @@ Examples:
   ckptvault show ./ckpts 200 -k 'model.*'   tensors of step 200 under "model"
   ckptvault verify ./ckpts                  read and check every chunk
   ckptvault du ./ckpts                      logical vs stored bytes, dedup and compression savings
+  ckptvault diff ./ckpts 100 200            what changed per tensor between two steps, and what it cost
   ckptvault rm ./ckpts 100 200              delete two checkpoints (then `ckptvault gc`)
   ckptvault prune ./ckpts --keep-last 5     keep the 5 newest (+ latest, pinned); then `ckptvault gc`
   ckptvault gc ./ckpts                      free chunks no checkpoint uses (safe next to training)
@@ -58,5 +60,6 @@ main.add_command(verify)
 main.add_command(du)
 main.add_command(rm)
 main.add_command(demo)
+main.add_command(diff)
 for _command in MAINTENANCE_COMMANDS:  # prune, gc, pin, unpin
     main.add_command(_command)
