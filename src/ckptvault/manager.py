@@ -16,7 +16,7 @@ from .info import CheckpointInfo, info_from_manifest
 from .maintenance import MaintenanceMixin, Retention, apply_retention
 from .restore import restore_into, restore_tree
 from .rules import CodecRules
-from .save import check_step
+from .save import check_step, json_fields
 from .saver import Saver, SaveRequest
 from .stores import Store
 from .vault import DEFAULT_CHUNK_SIZE, Vault
@@ -72,7 +72,7 @@ class CheckpointManager(MaintenanceMixin):
         self._codec = codec
         self._chunk_size = chunk_size
         self._codec_rules = codec_rules
-        CodecRules(codec_rules, codec or DEFAULT_CODEC)  # validate early
+        CodecRules(codec_rules, DEFAULT_CODEC if codec is None else codec)  # validate early
         self.delta_policy = DeltaPolicy(incremental, keyframe_every, keyframe_growth)
         self.retention = Retention.coerce(retention)
         self._saver = Saver(self.vault, self.delta_policy, async_save=async_save, on_busy=on_busy,
@@ -106,10 +106,12 @@ class CheckpointManager(MaintenanceMixin):
         UnsupportedObjectError (naming the key path) for values that need pickle.
         """
         check_step(step)
-        desc = self.vault.descriptor() or self.vault.create(self._chunk_size, self._codec or DEFAULT_CODEC)
+        codec = DEFAULT_CODEC if self._codec is None else self._codec
+        desc = self.vault.descriptor() or self.vault.create(self._chunk_size, codec)
         if not overwrite and (self.vault.store.exists(manifest_key(step)) or self._saver.inflight_step == step):
             raise StepExistsError(step, self.url)
-        rules = CodecRules(self._codec_rules, self._codec or desc["codec"])
+        rules = CodecRules(self._codec_rules, desc["codec"] if self._codec is None else self._codec)
+        metrics, metadata = json_fields(metrics, "metrics"), json_fields(metadata, "metadata")  # fail here, not later
         request = SaveRequest(step, metrics, metadata, overwrite, progress)
         return self._saver.submit(request, state, rules, allow_pickle)
 

@@ -12,7 +12,9 @@ bytes and written with create-if-absent, so writing it twice is harmless.
 
 from __future__ import annotations
 
+import json
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -198,7 +200,7 @@ def build_manifest(step: int, snapshot: Snapshot, chunks: list[ChunkResult], pie
             r.kind == "pickle" for r in snapshot.records),
         "logical_bytes": snapshot.logical_bytes, "stored_bytes": sum(c["stored"] for c in table),
         "added_bytes": sum(c["stored"] for c in table if c["new"]),
-        "metrics": _json_only(metrics or {}, "metrics"), "metadata": _json_only(metadata or {}, "metadata"),
+        "metrics": json_fields(metrics, "metrics"), "metadata": json_fields(metadata, "metadata"),
         "keyframe_step": step if keyframe_step is None else keyframe_step,
         "since_keyframe": 0 if keyframe_step is None else since_keyframe,
         "tree": snapshot.tree, "tensors": tensors, "chunks": table,
@@ -234,10 +236,9 @@ def check_step(step: Any) -> int:
     return step
 
 
-def _json_only(values: dict[str, Any], what: str) -> dict[str, Any]:
-    import json
-    import math
-
+def json_fields(values: dict[str, Any] | None, what: str) -> dict[str, Any]:
+    """``values`` checked to be a JSON object of finite values (numpy/torch scalars become floats)."""
+    values = {} if values is None else values
     if not isinstance(values, dict) or not all(isinstance(k, str) for k in values):
         raise InvalidArgumentError(f"{what} must be a dict with str keys, got {type(values).__name__}")
     cleaned = {k: (float(v) if _is_number_like(v) else v) for k, v in values.items()}
