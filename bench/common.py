@@ -32,6 +32,10 @@ class Timing:
     wall: list[float] = field(default_factory=list)
     cpu: list[float] = field(default_factory=list)
 
+    def add(self, wall: float, cpu: float = float("nan")) -> None:
+        self.wall.append(wall)
+        self.cpu.append(cpu)
+
     @property
     def median(self) -> float:
         return statistics.median(self.wall)
@@ -73,8 +77,21 @@ def machine() -> dict[str, Any]:
     return {
         "cpus": os.cpu_count(), "cpu_model": cpu, "memory_gib": round(mem / 2**30, 1),
         "disk": _disk_of(Path(__file__).parent), "python": platform.python_version(), "torch": torch.__version__,
-        "torch_threads": torch.get_num_threads(), "kernel": platform.release(),
+        "torch_threads": torch.get_num_threads(), "kernel": platform.release(), "code": _git_state(),
     }
+
+
+def _git_state() -> str:
+    """The commit measured, and whether src/ had uncommitted changes."""
+    root = Path(__file__).resolve().parent.parent
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
+                              check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "src"], cwd=root, capture_output=True, text=True,
+                               check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "?"
+    return f"{head}{' + uncommitted changes in src/' if dirty else ''}"
 
 
 def _disk_of(path: Path) -> str:

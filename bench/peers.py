@@ -10,6 +10,7 @@ copy; DCP loads in place by design.
 from __future__ import annotations
 
 import os
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -88,11 +89,30 @@ def dcp_load(dest: Path, target: Any) -> None:
 
 
 def ckptvault_save(state: Any, dest: Path, codec: str | None = None, step: int = 1, workers: int | None = None) -> None:
-    """CheckpointManager.save into the vault at ``dest`` (its local store fsyncs every object)."""
+    """A synchronous CheckpointManager.save into the vault at ``dest`` (its local store fsyncs every object)."""
     from ckptvault import CheckpointManager
 
-    with CheckpointManager(dest, codec=codec, workers=workers) as mgr:
+    with CheckpointManager(dest, codec=codec, workers=workers, async_save=False) as mgr:
         mgr.save(step, state).wait()
+
+
+def ckptvault_async_saves(state: Any, dest: Path, steps: tuple[int, ...] = (1, 2)) -> list[tuple[float, float]]:
+    """Asynchronous saves (the default) of ``state`` as each of ``steps`` with one manager.
+
+    Returns (seconds save() blocked the caller, seconds until durable) per
+    step. The first save allocates the manager's staging buffer; later ones reuse it.
+    """
+    from ckptvault import CheckpointManager
+
+    out = []
+    with CheckpointManager(dest) as mgr:
+        for step in steps:
+            t0 = time.perf_counter()
+            handle = mgr.save(step, state)
+            blocked = time.perf_counter() - t0
+            handle.wait()
+            out.append((blocked, time.perf_counter() - t0))
+    return out
 
 
 def ckptvault_restore_into(dest: Path, target: Any, step: int = 1, workers: int | None = None) -> None:

@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # idle OpenMP threads must not spin against the pool threads measured
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from ckptvault.codecs import DEFAULT_CODEC, chain_for, decode_chain, encode_chain  # noqa: E402

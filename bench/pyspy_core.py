@@ -13,6 +13,7 @@ Needs ``pip install py-spy`` (not a project dependency) and ptrace rights.
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import shutil
 import subprocess
@@ -21,6 +22,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # idle OpenMP threads must not spin against the pool threads measured
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import drop_caches, fresh_dir  # noqa: E402
@@ -32,7 +34,7 @@ RATE = 200
 def phase_save(state: object, dest: Path, codec: str | None) -> None:
     from ckptvault import CheckpointManager
 
-    with CheckpointManager(dest, codec=codec) as mgr:
+    with CheckpointManager(dest, codec=codec, async_save=False) as mgr:
         mgr.save(1, state).wait()
 
 
