@@ -157,7 +157,6 @@ class Saver:
 _LIVE: weakref.WeakSet[Saver] = weakref.WeakSet()
 
 
-@atexit.register
 def _flush_at_exit() -> None:
     """At interpreter exit, finish saves in flight; report failures in the log."""
     for saver in list(_LIVE):
@@ -165,3 +164,22 @@ def _flush_at_exit() -> None:
             saver.close()
         except BaseException as exc:  # noqa: BLE001 - nobody is left to raise to
             log.error("a checkpoint save failed before exit: %s", exc)
+
+
+def _register_exit_flush() -> None:
+    """Flush before concurrent.futures stops accepting work at exit.
+
+    ``atexit`` handlers run too late: ``threading._shutdown`` first runs the
+    hooks of ``threading._register_atexit``, where concurrent.futures marks
+    every executor shut down, so a save still in flight could no longer submit
+    its chunk writes. Hooks of that list run last-registered first, and this
+    module imports concurrent.futures (registering its hook) before this runs.
+    """
+    register = getattr(threading, "_register_atexit", None)
+    if register is None:  # not CPython >= 3.9: the best left is atexit
+        atexit.register(_flush_at_exit)
+    else:
+        register(_flush_at_exit)
+
+
+_register_exit_flush()
