@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import shutil
 import statistics
 import subprocess
@@ -105,8 +106,12 @@ def run_demo(opts: DemoOptions, on_step: OnStep | None = None) -> DemoReport:
     with CheckpointManager(opts.vault, codec=opts.codec) as mgr, tempfile.TemporaryDirectory(
         prefix=".ckptvault-demo-", dir=_scratch_parent(mgr)
     ) as scratch:
+        latest = _resume_point(mgr, opts)
         trainer = Trainer(TrainConfig(batch_size=opts.batch_size, seed=opts.seed))
-        _maybe_resume(mgr, trainer, opts)
+        if latest is not None:
+            start = time.perf_counter()
+            trainer.load_state(mgr.restore(latest))
+            log.info("resumed from step %d in %.3f s", latest, time.perf_counter() - start)
         report = DemoReport(vault=mgr.url, codec=opts.codec, params=num_params(trainer.model), steps=[],
                             start_step=trainer.step, final_step=trainer.step, final_loss=float("nan"), train_s=0.0,
                             logical_bytes=0, stored_bytes=0, vault_bytes=0)
@@ -152,18 +157,15 @@ def _scratch_parent(mgr: CheckpointManager) -> str:
     return str(parent)
 
 
-def _maybe_resume(mgr: CheckpointManager, trainer: Trainer, opts: DemoOptions) -> None:
+def _resume_point(mgr: CheckpointManager, opts: DemoOptions) -> int | None:
+    """The step to resume from (None: start at 0); refuses to mix a new run into a vault that has one."""
     latest = mgr.latest_step()
-    if latest is None:
-        return
-    if not opts.resume:
+    if latest is not None and not opts.resume:
         raise InvalidArgumentError(
             f"the vault at {mgr.url} already holds checkpoints (latest step {latest}); pass --resume to continue "
             "from it, --fresh to start over, or another --vault"
         )
-    start = time.perf_counter()
-    trainer.load_state(mgr.restore(latest))
-    log.info("resumed from step %d in %.3f s", latest, time.perf_counter() - start)
+    return latest
 
 
 def _train(mgr: CheckpointManager, trainer: Trainer, opts: DemoOptions, report: DemoReport, scratch: Path,
@@ -198,7 +200,8 @@ def _checkpoint(mgr: CheckpointManager, trainer: Trainer, loss: float, report: D
     state = trainer.state()
     lr = trainer.scheduler.get_last_lr()[0]
     start = time.perf_counter()
-    handle = mgr.save(trainer.step, state, metrics={"loss": loss, "lr": lr}, metadata=trainer.metadata())
+    metrics = {"loss": loss, "lr": lr} if math.isfinite(loss) else {"lr": lr}  # metrics must be finite
+    handle = mgr.save(trainer.step, state, metrics=metrics, metadata=trainer.metadata())
     report.save_blocked_s.append(time.perf_counter() - start)
     info = handle.wait()
     report.save_s.append(time.perf_counter() - start)
