@@ -55,13 +55,16 @@ class SaverLog:
     errors: list[str] = field(default_factory=list)
     durations: list[float] = field(default_factory=list)
     begin_times: list[float] = field(default_factory=list)
+    returns: int = 0  # "returned" lines (overlap mode: save() returned, the background writes)
+    inflight_returned: bool = False  # the save in flight had returned: a kill now hits its background phase
+    background: list[float] = field(default_factory=list)  # seconds from "returned" to "committed"
 
 
 def read_log(path: Path) -> SaverLog:
     """Parse complete lines only (a kill may cut the last one)."""
     log = SaverLog()
     text = path.read_text() if path.exists() else ""
-    begun_at = 0.0
+    begun_at = returned_at = 0.0
     for line in text.splitlines(keepends=True):
         if not line.endswith("\n"):
             break
@@ -72,12 +75,19 @@ def read_log(path: Path) -> SaverLog:
             log.inflight, begun_at = (int(words[1]), words[2]), float(words[3])
             log.begins += 1
             log.begin_times.append(begun_at)
+            log.inflight_returned = False
+        elif words[0] == "returned":
+            assert log.inflight == (int(words[1]), words[2]), f"log returns {words[1:3]} but had begun {log.inflight}"
+            log.returns += 1
+            log.inflight_returned, returned_at = True, float(words[3])
         elif words[0] == "committed":
             entry = (int(words[1]), words[2])
             assert log.inflight == entry, f"log commits {entry} but had begun {log.inflight}"
             log.committed.append(entry)
             log.durations.append(float(words[3]) - begun_at)
-            log.inflight = None
+            if log.inflight_returned:
+                log.background.append(float(words[3]) - returned_at)
+            log.inflight, log.inflight_returned = None, False
         elif words[0] == "error":
             log.errors.append(line)
     return log
@@ -122,8 +132,8 @@ class SaverServer:
         self.proc.stdin.flush()  # type: ignore[union-attr]
         return self._reply()
 
-    def start(self, vault: Path, log: Path, start: int, overwrite: int, trial: int) -> int:
-        return int(self._ask("run", vault, log, start, 100000, overwrite, trial, CHUNK_SIZE))
+    def start(self, vault: Path, log: Path, start: int, overwrite: int, trial: int, mode: str = "wait") -> int:
+        return int(self._ask("run", vault, log, start, 100000, overwrite, trial, CHUNK_SIZE, mode))
 
     def reap(self, pid: int) -> str:
         return self._ask("wait", pid)

@@ -7,6 +7,13 @@ Every save is bracketed by two log lines, each written with one ``os.write`` on 
     begin STEP DIGEST MONOTONIC_TIME       (before mgr.save)
     committed STEP DIGEST MONOTONIC_TIME   (after .wait() returned)
 
+In ``overlap`` mode (the asynchronous path as training uses it) a third line comes between
+them, and the next training step runs while the save is in flight::
+
+    returned STEP DIGEST MONOTONIC_TIME    (mgr.save returned: staged; the background writes)
+    ... one optimizer step changes every tensor of the saved state in place ...
+    committed STEP DIGEST MONOTONIC_TIME   (after .wait() returned)
+
 ``DIGEST`` is :func:`state_digest` of the exact state handed to the save. A test
 kills the process with SIGKILL at any moment and then checks the vault against
 the log: every committed step must restore to its digest, and the one step that
@@ -14,10 +21,11 @@ was begun but not logged as committed may be present (complete) or absent.
 
 Two ways to run it:
 
-* ``python tests/helpers/saver.py run VAULT LOG [--start S] [--count N] [--overwrite STEP] [--trial T]``
+* ``python tests/helpers/saver.py run VAULT LOG [--start S] [--count N] [--overwrite STEP] [--trial T] [--overlap]``
   saves in this process (use it to reproduce a trial by hand);
 * ``python tests/helpers/saver.py serve`` imports torch once and then forks one saver
-  per ``run VAULT LOG START COUNT OVERWRITE TRIAL CHUNK_SIZE`` line read on stdin, answering
+  per ``run VAULT LOG START COUNT OVERWRITE TRIAL CHUNK_SIZE [MODE]`` line read on stdin (MODE
+  ``wait``, the default, or ``overlap``), answering
   with the child's pid; ``wait PID`` reaps it and answers ``signal N`` or ``exit N``.
   Forking keeps each trial fast (no 2 s torch import per kill).
 
@@ -100,19 +108,28 @@ class Log:
 
 
 def save_loop(trainer: Trainer, vault: str, log_path: str, start: int, count: int, overwrite: int,
-              trial: int, chunk_size: int) -> None:
-    """Train and save ``count`` checkpoints: steps start, start+1, ... or, with overwrite >= 0, always that step."""
+              trial: int, chunk_size: int, overlap: bool = False) -> None:
+    """Train and save ``count`` checkpoints: steps start, start+1, ... or, with overwrite >= 0, always that step.
+
+    With ``overlap`` the next training step runs (changing the saved tensors in place) while the save is in flight.
+    """
     log = Log(log_path)
     log.line("ready", os.getpid())
     with CheckpointManager(vault, chunk_size=chunk_size) as mgr:
+        loss = trainer.train_step()
         for iteration in range(count):
-            loss = trainer.train_step()
             step = overwrite if overwrite >= 0 else start + iteration
             state = trainer.state(step, trial, iteration, loss)
             digest = state_digest(state)
             log.line("begin", step, digest, f"{time.monotonic():.6f}")
-            mgr.save(step, state, metrics={"loss": loss}, overwrite=overwrite >= 0).wait()
+            handle = mgr.save(step, state, metrics={"loss": loss}, overwrite=overwrite >= 0)
+            if overlap:
+                log.line("returned", step, digest, f"{time.monotonic():.6f}")
+                loss = trainer.train_step()
+            handle.wait()
             log.line("committed", step, digest, f"{time.monotonic():.6f}")
+            if not overlap:
+                loss = trainer.train_step()
     log.line("done")
 
 
@@ -142,10 +159,11 @@ def serve() -> None:
 def _child(trainer: Trainer, args: list[str]) -> None:
     vault, log_path = args[0], args[1]
     start, count, overwrite, trial, chunk_size = map(int, args[2:7])
+    overlap = args[7:8] == ["overlap"]
     code = 0
     try:
         sys.stdin.close()
-        save_loop(trainer, vault, log_path, start, count, overwrite, trial, chunk_size)
+        save_loop(trainer, vault, log_path, start, count, overwrite, trial, chunk_size, overlap)
     except BaseException:
         code = 1
         with open(log_path, "a") as f:
@@ -165,12 +183,14 @@ def main(argv: list[str] | None = None) -> None:
     run.add_argument("--overwrite", type=int, default=-1, help="save every iteration to this step, overwrite=True")
     run.add_argument("--trial", type=int, default=0)
     run.add_argument("--chunk-size", type=int, default=DEFAULT_CHUNK_SIZE)
+    run.add_argument("--overlap", action="store_true", help="train the next step while each save is in flight")
     sub.add_parser("serve", help="fork a saver per command read on stdin")
     args = parser.parse_args(argv)
     if args.cmd == "serve":
         serve()
     else:
-        save_loop(Trainer(), args.vault, args.log, args.start, args.count, args.overwrite, args.trial, args.chunk_size)
+        save_loop(Trainer(), args.vault, args.log, args.start, args.count, args.overwrite, args.trial, args.chunk_size,
+                  args.overlap)
 
 
 if __name__ == "__main__":
