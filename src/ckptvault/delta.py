@@ -148,12 +148,21 @@ def _locate(base: dict[str, Any] | None, record: ArrayRecord, start: int, length
     """(chunk index, offset in chunk) of bytes [start, start+length) of ``base``, if in one piece."""
     if base is None or base["kind"] != record.kind or base["dtype"] != record.dtype or base["shape"] != record.shape:
         return None
+    if _stored_as(base.get("lossy")) != _stored_as(record.lossy):
+        return None
     position = 0
     for chunk, offset, piece_length in base["pieces"]:
         if position == start:
             return (chunk, offset) if piece_length == length else None
         position += piece_length
     return None
+
+
+def _stored_as(lossy: dict[str, Any] | None) -> tuple[Any, ...]:
+    """What identifies a lossy stored form (None for exact storage); deltas need equal forms."""
+    if not lossy or lossy.get("codec") == "lossless":
+        return ()
+    return (lossy["codec"], lossy.get("block"), lossy.get("stored_dtype"), lossy.get("base_step"))
 
 
 def xor(data: bytes | memoryview, base: bytes | memoryview) -> memoryview:

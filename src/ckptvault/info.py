@@ -8,7 +8,10 @@ from typing import Any
 
 @dataclass(frozen=True)
 class TensorInfo:
-    """One stored array. ``stored_bytes`` counts its share of the chunks it lives in."""
+    """One stored array. ``nbytes`` is its size as saved (original dtype); ``stored_bytes`` counts its
+    share of the chunks it lives in (for a lossy tensor, including its scales). ``codec`` names the
+    lossy codec and the lossless one (``"bf16+zstd"``); ``error`` is the measured lossy error
+    (``max_abs``, ``rel_l2``, ``flushed``, ``overflow``, ``nan``), None when stored exactly."""
 
     path: str
     kind: str
@@ -17,6 +20,8 @@ class TensorInfo:
     nbytes: int
     stored_bytes: int
     codec: str
+    error: dict[str, float] | None = None
+    notes: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -52,13 +57,27 @@ class CheckpointInfo:
         return out
 
 
+def _lossy_name(lossy: dict[str, Any]) -> str:
+    return f"{lossy['codec']}:{lossy['block']}" if "block" in lossy else lossy["codec"]
+
+
 def info_from_manifest(manifest: dict[str, Any]) -> CheckpointInfo:
     chunks = manifest["chunks"]
+    records = manifest["tensors"]
+
+    def share(record: dict[str, Any]) -> float:
+        return sum(chunks[c]["stored"] * length / max(chunks[c]["raw"], 1) for c, _off, length in record["pieces"])
+
     tensors = []
-    for t in manifest["tensors"]:
-        share = sum(chunks[c]["stored"] * length / max(chunks[c]["raw"], 1) for c, _off, length in t["pieces"])
-        tensors.append(TensorInfo(t["path"], t["kind"], t["dtype"], tuple(t["shape"]), t["nbytes"], round(share),
-                                  t["codec"]))
+    for t in records:
+        if t["kind"] == "part":
+            continue
+        lossy = t.get("lossy") or {}
+        stored = share(t) + sum(share(records[j]) for j in lossy.get("parts", {}).values())
+        codec = t["codec"] if lossy.get("codec", "lossless") == "lossless" else f"{_lossy_name(lossy)}+{t['codec']}"
+        tensors.append(TensorInfo(t["path"], t["kind"], t["dtype"], tuple(t["shape"]),
+                                  lossy.get("original_nbytes", t["nbytes"]), round(stored), codec,
+                                  lossy.get("error"), tuple(lossy.get("notes", ()))))
     return CheckpointInfo(
         step=manifest["step"], time=manifest["time"], logical_bytes=manifest["logical_bytes"],
         stored_bytes=manifest["stored_bytes"], added_bytes=manifest["added_bytes"], metrics=manifest["metrics"],

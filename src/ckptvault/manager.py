@@ -13,7 +13,9 @@ from .errors import StepExistsError, VaultNotFoundError
 from .format.manifest import manifest_key
 from .handle import SaveHandle
 from .info import CheckpointInfo, info_from_manifest
+from .lossy import SafetyPolicy
 from .maintenance import MaintenanceMixin, Retention, apply_retention
+from .presets import preset_rules
 from .restore import restore_into, restore_tree
 from .rules import CodecRules
 from .save import check_step, json_fields
@@ -34,7 +36,12 @@ class CheckpointManager(MaintenanceMixin):
     The vault is created on the first save; reading an absent vault finds no
     steps. ``codec`` is the default lossless codec for new vaults (``zstd``,
     ``lz4``, ``none``/``fast``, ``zstd-N``); ``codec_rules`` override it per key
-    path, first match wins. Use as a context manager or call :meth:`close`.
+    path, first match wins, and may name lossy codecs (``bf16``, ``fp16``,
+    ``int8-block[:B]``, ``residual-int8[:B]``; see ``lossy.py``) or be a preset
+    name (``"moments-compact"``; see ``presets.py``). Lossy results that flush
+    more than ``max_flushed`` of the non-zero values, overflow or make NaNs
+    are handled per ``on_unsafe`` (``"fallback"``, ``"fail"``, ``"keep"``).
+    Use as a context manager or call :meth:`close`.
 
     Incremental saves (``incremental=True``, the default): chunks identical to
     stored ones are never written again, and changed chunks are stored as XOR
@@ -55,7 +62,7 @@ class CheckpointManager(MaintenanceMixin):
         url: str | os.PathLike[str] | Store,
         *,
         codec: str | None = None,
-        codec_rules: Mapping[str, str] | Iterable[tuple[str, str]] | None = None,
+        codec_rules: str | Mapping[str, str] | Iterable[tuple[str, str]] | None = None,
         chunk_size: int = DEFAULT_CHUNK_SIZE,
         storage_options: dict[str, Any] | None = None,
         workers: int | None = None,
@@ -66,17 +73,20 @@ class CheckpointManager(MaintenanceMixin):
         async_save: bool = True,
         on_busy: str = "wait",
         max_staging_bytes: int | None = None,
+        on_unsafe: str = "fallback",
+        max_flushed: float = 0.05,
     ) -> None:
         self.vault = Vault(url, storage_options, workers)
         self.url = self.vault.url
         self._codec = codec
         self._chunk_size = chunk_size
-        self._codec_rules = codec_rules
-        CodecRules(codec_rules, DEFAULT_CODEC if codec is None else codec)  # validate early
+        self._codec_rules = preset_rules(codec_rules) if isinstance(codec_rules, str) else codec_rules
+        CodecRules(self._codec_rules, DEFAULT_CODEC if codec is None else codec)  # validate early
         self.delta_policy = DeltaPolicy(incremental, keyframe_every, keyframe_growth)
         self.retention = Retention.coerce(retention)
         self._saver = Saver(self.vault, self.delta_policy, async_save=async_save, on_busy=on_busy,
-                            max_staging_bytes=max_staging_bytes, after_commit=self._after_commit)
+                            max_staging_bytes=max_staging_bytes, after_commit=self._after_commit,
+                            safety=SafetyPolicy(on_unsafe, max_flushed))
 
     # -- saving ------------------------------------------------------------
     def save(
@@ -112,7 +122,7 @@ class CheckpointManager(MaintenanceMixin):
             raise StepExistsError(step, self.url)
         rules = CodecRules(self._codec_rules, desc["codec"] if self._codec is None else self._codec)
         metrics, metadata = json_fields(metrics, "metrics"), json_fields(metadata, "metadata")  # fail here, not later
-        request = SaveRequest(step, metrics, metadata, overwrite, progress)
+        request = SaveRequest(step, metrics, metadata, overwrite, progress, rules.default)
         return self._saver.submit(request, state, rules, allow_pickle)
 
     def _after_commit(self, step: int) -> None:

@@ -17,6 +17,7 @@ import torch
 
 from .arrays import empty_like_record, finish_ndarray, tensor_bytes, torch_dtype, writable_bytes
 from .errors import CorruptChunkError, KeyMismatchError, ObjectNotFoundError, PickleNotAllowedError
+from .lossy import DEFAULT_BLOCK, LossySpec, decode
 from .parallel import map_all
 from .rules import any_match
 from .tree import join_path, leaf_paths, unflatten
@@ -25,20 +26,27 @@ from .vault import Vault
 Progress = Callable[[int], None]
 
 
-def read_into(vault: Vault, manifest: dict[str, Any], dests: dict[int, memoryview],
+Dest = Any  # a record index, or ("base", index) for a residual's keyframe copy
+
+
+def read_into(vault: Vault, manifest: dict[str, Any], dests: dict[Dest, memoryview],
               progress: Progress | None = None) -> None:
-    """Fill ``dests`` (tensor index -> writable byte view of ``nbytes``) from the vault."""
+    """Fill ``dests`` (record index -> writable byte view of its stored bytes) from the vault.
+
+    A key ``("base", i)`` reads the keyframe copy that residual record ``i`` is relative to.
+    """
     tensors, chunks = manifest["tensors"], manifest["chunks"]
-    jobs: dict[int, list[tuple[int, int, int, int]]] = defaultdict(list)
-    for index in dests:
+    jobs: dict[int, list[tuple[Dest, int, int, int]]] = defaultdict(list)
+    for key in dests:
         dest_offset = 0
-        for chunk, offset, length in tensors[index]["pieces"]:
-            jobs[chunk].append((index, dest_offset, offset, length))
+        for chunk, offset, length in _pieces(tensors, key):
+            jobs[chunk].append((key, dest_offset, offset, length))
             dest_offset += length
 
     def fetch(chunk: int) -> None:
         cid = chunks[chunk]["id"]
-        first = tensors[jobs[chunk][0][0]]["path"]
+        first_key = jobs[chunk][0][0]
+        first = tensors[first_key[1] if isinstance(first_key, tuple) else first_key]["path"]
         try:
             raw = memoryview(vault.read_chunk(cid)).cast("B")
         except ObjectNotFoundError:
@@ -51,6 +59,43 @@ def read_into(vault: Vault, manifest: dict[str, Any], dests: dict[int, memoryvie
             progress(chunks[chunk]["raw"])
 
     map_all(vault.pool, fetch, sorted(jobs))
+
+
+def _pieces(tensors: list[dict[str, Any]], key: Dest) -> list[list[int]]:
+    if isinstance(key, tuple):
+        return tensors[key[1]]["lossy"]["base_pieces"]
+    return tensors[key]["pieces"]
+
+
+def is_lossy(record: dict[str, Any]) -> bool:
+    """True if the record is stored in a lossy form (restore decodes it to its original dtype)."""
+    lossy = record.get("lossy")
+    return bool(lossy) and lossy.get("codec") != "lossless"
+
+
+class LossyReads:
+    """Buffers to read lossy records into (stored form, parts, keyframe copy), and their decoding."""
+
+    def __init__(self, tensors: list[dict[str, Any]], indices: Iterable[int]) -> None:
+        self.tensors = tensors
+        self.buffers: dict[Dest, torch.Tensor] = {}
+        for i in indices:
+            lossy = tensors[i]["lossy"]
+            self.buffers[i] = torch.empty(lossy["stored_shape"], dtype=torch_dtype(lossy["stored_dtype"]))
+            for j in lossy["parts"].values():
+                self.buffers[j] = torch.empty(tensors[j]["shape"], dtype=torch_dtype(tensors[j]["dtype"]))
+            if "base_pieces" in lossy:
+                self.buffers[("base", i)] = torch.empty(tensors[i]["shape"], dtype=torch_dtype(tensors[i]["dtype"]))
+
+    def dests(self) -> dict[Dest, memoryview]:
+        return {key: tensor_bytes(buffer) for key, buffer in self.buffers.items()}
+
+    def decoded(self, i: int) -> torch.Tensor:
+        """Record ``i`` in its original dtype and shape (after the buffers were read)."""
+        record, lossy = self.tensors[i], self.tensors[i]["lossy"]
+        spec = LossySpec(lossy["codec"], lossy.get("block", DEFAULT_BLOCK))
+        parts = {"q": self.buffers[i], **{name: self.buffers[j] for name, j in lossy["parts"].items()}}
+        return decode(spec, parts, torch_dtype(record["dtype"]), record["shape"], self.buffers.get(("base", i)))
 
 
 def select(manifest: dict[str, Any], keys: Iterable[str] | None) -> set[str] | None:
@@ -74,8 +119,11 @@ def restore_tree(vault: Vault, manifest: dict[str, Any], keys: Iterable[str] | N
         _refuse_pickle(manifest["tree"], selected)
     needed = _leaf_indices(manifest["tree"], selected)
     tensors = manifest["tensors"]
-    values = {i: empty_like_record(tensors[i]["kind"], tensors[i]["dtype"], tensors[i]["shape"]) for i in needed}
-    read_into(vault, manifest, {i: writable_bytes(v) for i, v in values.items()}, progress)
+    lossy = LossyReads(tensors, [i for i in needed if is_lossy(tensors[i])])
+    values = {i: empty_like_record(tensors[i]["kind"], tensors[i]["dtype"], tensors[i]["shape"])
+              for i in needed if i not in lossy.buffers}
+    read_into(vault, manifest, {**{i: writable_bytes(v) for i, v in values.items()}, **lossy.dests()}, progress)
+    values.update({i: lossy.decoded(i) for i in needed if i in lossy.buffers})
     finished = {i: _finish(tensors[i], v) for i, v in values.items()}
     return unflatten(manifest["tree"], finished, selected, allow_pickle)
 
@@ -96,7 +144,8 @@ def restore_into(vault: Vault, manifest: dict[str, Any], into: Any, strict: bool
     targets = dict(_array_leaves(into))
     saved = _saved_array_paths(manifest)
     prefix = _mount_prefix(list(targets), saved)
-    dests: dict[int, memoryview] = {}
+    dests: dict[Dest, memoryview] = {}
+    lossy_targets: dict[int, Any] = {}
     firsts: dict[int, Any] = {}
     copies: list[tuple[Any, Any]] = []
     for path, target in targets.items():
@@ -110,11 +159,17 @@ def restore_into(vault: Vault, manifest: dict[str, Any], into: Any, strict: bool
             if not _same_memory(target, firsts[index]):
                 copies.append((target.detach() if isinstance(target, torch.Tensor) else target, firsts[index]))
             continue
-        dests[index] = _target_view(manifest["tensors"][index], path, target, copies)
+        if is_lossy(manifest["tensors"][index]):
+            _target_view(manifest["tensors"][index], path, target, [])  # checks dtype and shape
+            lossy_targets[index] = target
+        else:
+            dests[index] = _target_view(manifest["tensors"][index], path, target, copies)
         firsts[index] = target.detach() if isinstance(target, torch.Tensor) else target
     if strict:
         _check_no_extra(saved, targets, prefix)
-    read_into(vault, manifest, dests, progress)
+    lossy = LossyReads(manifest["tensors"], lossy_targets)
+    read_into(vault, manifest, {**dests, **lossy.dests()}, progress)
+    copies[:0] = [(target.detach(), lossy.decoded(i)) for i, target in lossy_targets.items()]
     for target, temp in copies:
         target.copy_(temp) if isinstance(target, torch.Tensor) else np.copyto(target, temp)
     return into

@@ -30,7 +30,7 @@ from .format.chunk_object import ChunkHeader, chunk_id, chunk_key, encode_object
 from .format.manifest import MANIFEST_FORMAT, encode_manifest, manifest_key
 from .layout import ChunkPlan, LeafSpec, Piece, plan_chunks
 from .parallel import map_all
-from .snapshot import Snapshot
+from .snapshot import ArrayRecord, Snapshot
 from .vault import Vault
 
 log = logging.getLogger(__name__)
@@ -122,6 +122,7 @@ class _ChunkWriter:
         stages = chain_for(plan.codec, plan.itemsize)
         if base is not None:
             try:
+                self.vault.store.touch(chunk_key(base.id))  # a base must outlive this save, like a reused chunk
                 base_raw = self.vault.read_chunk(base.id)
             except (ObjectNotFoundError, CorruptChunkError) as exc:
                 log.warning("cannot use delta base %s (%s); storing the chunk in full", base.id, exc)
@@ -169,31 +170,11 @@ def build_manifest(step: int, snapshot: Snapshot, chunks: list[ChunkResult], pie
     against (None: this checkpoint is a keyframe); ``since_keyframe`` counts
     checkpoints since it.
     """
-    index_of: dict[str, int] = {}
-    table: list[dict[str, Any]] = []
-    remap: list[int] = []
-    for result in chunks:
-        if result.id not in index_of:
-            index_of[result.id] = len(table)
-            entry = {"id": result.id, "raw": result.raw, "stored": result.stored, "new": result.new}
-            if result.base is not None:
-                entry["base"] = result.base
-            table.append(entry)
-        elif result.new:
-            table[index_of[result.id]]["new"] = True
-        remap.append(index_of[result.id])
-    tensors = []
-    for record, leaf_pieces in zip(snapshot.records, pieces, strict=True):
-        entry = {
-            "path": record.path, "kind": record.kind, "dtype": record.dtype, "shape": record.shape,
-            "global_shape": record.shape, "offsets": [0] * len(record.shape), "nbytes": record.nbytes,
-            "codec": record.codec, "pieces": [[remap[p.chunk], p.offset, p.length] for p in leaf_pieces],
-        }
-        if record.requires_grad:
-            entry["requires_grad"] = True
-        if record.device != "cpu":
-            entry["device"] = record.device
-        tensors.append(entry)
+    chunk_table = _ChunkTable()
+    remap = [chunk_table.add(vars(result)) for result in chunks]
+    tensors = [_tensor_entry(record, leaf_pieces, remap, chunk_table)
+               for record, leaf_pieces in zip(snapshot.records, pieces, strict=True)]
+    table = chunk_table.entries
     return {
         "format": MANIFEST_FORMAT, "version": FORMAT_VERSION, "step": step, "time": time.time(),
         "writer": f"ckptvault {__version__}", "hash": "blake3", "pickle": snapshot.allow_pickle and any(
@@ -207,19 +188,62 @@ def build_manifest(step: int, snapshot: Snapshot, chunks: list[ChunkResult], pie
     }
 
 
+class _ChunkTable:
+    """The manifest's list of unique chunks, built by adding references."""
+
+    def __init__(self) -> None:
+        self.entries: list[dict[str, Any]] = []
+        self._index: dict[str, int] = {}
+
+    def add(self, chunk: dict[str, Any]) -> int:
+        """Index of ``chunk`` (``id``, ``raw``, ``stored``, ``new``, ``base``) in the table, adding it if new."""
+        index = self._index.get(chunk["id"])
+        if index is None:
+            entry = {k: chunk[k] for k in ("id", "raw", "stored", "new")}
+            if chunk.get("base") is not None:
+                entry["base"] = chunk["base"]
+            index = self._index[chunk["id"]] = len(self.entries)
+            self.entries.append(entry)
+        elif chunk["new"]:
+            self.entries[index]["new"] = True
+        return index
+
+
+def _tensor_entry(record: ArrayRecord, pieces: list[Piece], remap: list[int], table: _ChunkTable) -> dict[str, Any]:
+    entry: dict[str, Any] = {
+        "path": record.path, "kind": record.kind, "dtype": record.dtype, "shape": record.shape,
+        "global_shape": record.shape, "offsets": [0] * len(record.shape), "nbytes": record.nbytes,
+        "codec": record.codec, "pieces": [[remap[p.chunk], p.offset, p.length] for p in pieces],
+    }
+    if record.requires_grad:
+        entry["requires_grad"] = True
+    if record.device != "cpu":
+        entry["device"] = record.device
+    if record.lossy is not None:
+        lossy = dict(record.lossy)
+        if "base_pieces" in lossy:  # residuals reference the keyframe's exact copy: keep those chunks live
+            lossy["base_pieces"] = [[table.add({**p["chunk"], "new": False}), p["offset"], p["length"]]
+                                    for p in lossy["base_pieces"]]
+        entry["lossy"] = lossy
+    return entry
+
+
 def commit(vault: Vault, step: int, manifest: dict[str, Any], overwrite: bool) -> None:
     """Make the checkpoint visible. Atomic: afterwards it is either fully committed or absent.
 
-    Before writing the manifest, every reused chunk is checked to still exist
-    (gc may have collected an old unreferenced one since it was found); a
-    missing one fails the save with nothing committed, and the save may be retried.
+    Before writing the manifest, every chunk it names and every delta base is
+    checked to still exist: gc deletes unreferenced chunks older than its grace
+    period, which a reused chunk, a delta base whose keyframe was pruned, or a
+    chunk written early in a save longer than the grace period could be. A
+    missing one fails the save with nothing committed; the save may be retried.
     """
-    reused = [c["id"] for c in manifest["chunks"] if not c["new"]]
-    missing = [cid for cid in reused if not vault.store.exists(chunk_key(cid))]
+    needed = sorted({c["id"] for c in manifest["chunks"]} | {c["base"] for c in manifest["chunks"] if c.get("base")})
+    present = map_all(vault.pool, lambda cid: vault.store.exists(chunk_key(cid)), needed)
+    missing = [cid for cid, ok in zip(needed, present) if not ok]
     if missing:
         raise SaveError(
-            f"{len(missing)} reused chunks (such as {missing[0]}) were removed by a concurrent gc before step {step} "
-            "committed; nothing was committed: save again"
+            f"{len(missing)} chunks of step {step} (such as {missing[0]}) were removed by a concurrent gc before it "
+            "committed (is gc's grace period shorter than a save?); nothing was committed: save again"
         )
     data = encode_manifest(manifest)
     key = manifest_key(step)

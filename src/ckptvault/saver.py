@@ -20,7 +20,7 @@ import threading
 import warnings
 import weakref
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +28,8 @@ from .delta import DeltaPolicy, delta_context
 from .errors import InvalidArgumentError
 from .handle import SaveHandle
 from .info import info_from_manifest
+from .lossy import SafetyPolicy
+from .lossy_stage import apply_lossy
 from .rules import CodecRules
 from .save import build_manifest, commit, write_chunks
 from .snapshot import Snapshot, take_snapshot
@@ -47,22 +49,26 @@ class SaveRequest:
     metadata: dict[str, Any] | None
     overwrite: bool
     progress: Progress | None
+    lossless: str = "zstd"  # the lossless codec that "lossless" and bare lossy rules use
 
 
 class Saver:
     """Runs saves into one vault, in the background when ``async_save``."""
 
     def __init__(self, vault: Vault, delta_policy: DeltaPolicy, *, async_save: bool = True, on_busy: str = "wait",
-                 max_staging_bytes: int | None = None, after_commit: Callable[[int], None] | None = None) -> None:
+                 max_staging_bytes: int | None = None, after_commit: Callable[[int], None] | None = None,
+                 safety: SafetyPolicy | None = None) -> None:
         if on_busy not in ON_BUSY:
             raise InvalidArgumentError(f"on_busy must be one of {ON_BUSY}, got {on_busy!r}")
         self.vault, self.delta_policy = vault, delta_policy
         self.async_save, self.on_busy = async_save, on_busy
         self.max_staging_bytes = max_staging_bytes
         self.after_commit = after_commit
+        self.safety = safety or SafetyPolicy()
         self._staging = StagingBuffer()
         self._executor: ThreadPoolExecutor | None = None
         self._inflight: SaveHandle | None = None
+        self._task: Future[None] | None = None
         self._error: BaseException | None = None
         self._error_handle: SaveHandle | None = None  # the failed save's handle: its wait() reports the error
         self._lock = threading.Lock()
@@ -91,7 +97,7 @@ class Saver:
         handle.staged.set_result(None)
         if snapshot.staged:
             self._inflight = handle
-            self._pool().submit(self._complete, handle, request, snapshot)
+            self._task = self._pool().submit(self._complete, handle, request, snapshot)
         else:
             self._complete(handle, request, snapshot)
             self.raise_pending()
@@ -101,6 +107,7 @@ class Saver:
         """Steps after the snapshot. Never raises: the outcome goes to the handle (and errors to pending)."""
         try:
             delta = delta_context(self.vault, self.delta_policy, request.step)
+            snapshot = apply_lossy(snapshot, self.safety, request.lossless, self.vault, delta.keyframe)
             chunks, pieces = write_chunks(self.vault, snapshot, request.progress, delta)
             manifest = build_manifest(request.step, snapshot, chunks, pieces, request.metrics, request.metadata,
                                       delta.keyframe_step, delta.since_keyframe)
@@ -128,10 +135,12 @@ class Saver:
             raise error
 
     def _wait_inflight(self) -> None:
-        handle = self._inflight
-        if handle is not None:
-            handle.committed.exception()  # waits; the error itself is kept in self._error
-            self._inflight = None
+        """Wait for the whole background task (commit and the after-commit hook)."""
+        task = self._task
+        if task is not None:
+            task.result()  # _complete never raises; its errors are kept in self._error
+            self._task = None
+        self._inflight = None
 
     def wait(self) -> None:
         """Wait for the save in flight; raise its error (or an earlier unreported one)."""

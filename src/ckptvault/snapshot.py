@@ -33,6 +33,12 @@ class ArrayRecord:
     codec: str
     requires_grad: bool = False
     device: str = "cpu"
+    lossy: dict[str, Any] | None = None  # set by lossy_stage: codec, stored dtype/shape, error, parts
+
+    @property
+    def logical_nbytes(self) -> int:
+        """Bytes of the array as the user holds it (before any lossy encoding)."""
+        return self.lossy.get("original_nbytes", self.nbytes) if self.lossy else self.nbytes
 
 
 @dataclass
@@ -45,7 +51,7 @@ class Snapshot:
 
     @property
     def logical_bytes(self) -> int:
-        return sum(r.nbytes for r in self.records)
+        return sum(r.logical_nbytes for r in self.records if r.kind != "part")
 
 
 def take_snapshot(state: Any, rules: CodecRules, allow_pickle: bool = False,
@@ -77,8 +83,9 @@ def _record(leaf: Leaf, rules: CodecRules) -> ArrayRecord:
     if leaf.kind == "torch":
         grad = isinstance(value, torch.nn.Parameter) and value.requires_grad
         return ArrayRecord(leaf.path, "torch", torch_dtype_name(value.dtype), list(value.shape), _nbytes(leaf),
-                           value.dtype.itemsize, rules.codec_for(leaf.path), grad, str(value.device))
-    codec = rules.codec_for(leaf.path) if leaf.kind == "numpy" else "zstd"
+                           value.dtype.itemsize, rules.codec_for(leaf.path, torch_dtype_name(value.dtype)), grad,
+                           str(value.device))
+    codec = rules.codec_for(leaf.path, value.dtype.str) if leaf.kind == "numpy" else "zstd"
     return ArrayRecord(leaf.path, leaf.kind, value.dtype.str, list(value.shape), value.nbytes,
                        value.dtype.itemsize, codec)
 

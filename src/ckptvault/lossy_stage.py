@@ -1,0 +1,104 @@
+"""The lossy step of a save: runs in the background, between the snapshot and chunking.
+
+For every array whose rule names a lossy codec, the staged bytes are encoded
+(``lossy.encode_safely``), the error is measured, and the record's bytes are
+replaced by the stored representation: the primary part keeps the record
+(``stored_dtype``/``stored_shape`` in its ``lossy`` entry) and secondary parts
+(int8 block scales) become extra records of kind ``"part"`` after the tree's
+leaves. Deltas and chunking then work on what is actually stored, so a
+restore gives exactly what the manifest promises.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from .arrays import empty_like_record, tensor_bytes, torch_dtype, torch_dtype_name, writable_bytes
+from .lossy import Encoded, SafetyPolicy, applies_to, describe, encode_safely, parse_codec
+from .snapshot import ArrayRecord, Snapshot
+from .vault import Vault
+
+log = logging.getLogger(__name__)
+
+
+def apply_lossy(snapshot: Snapshot, policy: SafetyPolicy, default_lossless: str, vault: Vault,
+                keyframe: dict[str, Any] | None) -> Snapshot:
+    """Return a snapshot whose lossy-ruled records hold their encoded bytes (others unchanged)."""
+    records, views = list(snapshot.records), list(snapshot.views)
+    extra_records: list[ArrayRecord] = []
+    extra_views: list[memoryview] = []
+    for index, record in enumerate(snapshot.records):
+        spec, lossless = parse_codec(record.codec, default_lossless)
+        if spec is None or record.kind != "torch" or not applies_to(spec, torch_dtype(record.dtype)):
+            records[index] = replace(record, codec=lossless)
+            continue
+        original = _as_tensor(record, snapshot.views[index])
+        base_entry = _residual_base(vault, keyframe, record) if spec.kind == "residual-int8" else None
+        if spec.kind == "residual-int8" and base_entry is None:
+            records[index] = replace(record, codec=lossless)  # keyframe (or no usable base): stored exactly
+            continue
+        encoded, notes = encode_safely(record.path, original, spec, policy, base_entry[0] if base_entry else None)
+        if encoded is None:
+            records[index] = replace(record, codec=lossless, lossy={"codec": "lossless", "requested": spec.name,
+                                                                    "notes": notes})
+            continue
+        record, view, parts = _stored_form(record, encoded, lossless, notes, base_entry)
+        records[index], views[index] = record, view
+        for name, (part_record, part_view) in parts.items():
+            record.lossy["parts"][name] = len(records) + len(extra_records)
+            extra_records.append(part_record)
+            extra_views.append(part_view)
+    return replace(snapshot, records=records + extra_records, views=views + extra_views)
+
+
+def _as_tensor(record: ArrayRecord, view: memoryview) -> torch.Tensor:
+    if not view.nbytes:
+        return torch.empty(record.shape, dtype=torch_dtype(record.dtype))
+    return torch.frombuffer(view, dtype=torch.uint8).view(torch_dtype(record.dtype)).reshape(record.shape)
+
+
+def _stored_form(record: ArrayRecord, encoded: Encoded, lossless: str, notes: list[str],
+                 base_entry: tuple[torch.Tensor, dict[str, Any]] | None
+                 ) -> tuple[ArrayRecord, memoryview, dict[str, tuple[ArrayRecord, memoryview]]]:
+    primary = encoded.parts["q"]
+    lossy = {**describe(encoded.spec), "stored_dtype": torch_dtype_name(primary.dtype),
+             "stored_shape": list(primary.shape), "original_nbytes": record.nbytes,
+             "error": encoded.error, "parts": {}}
+    if notes:
+        lossy["notes"] = notes
+    if base_entry is not None:
+        lossy["base_step"], lossy["base_pieces"] = base_entry[1]["step"], base_entry[1]["pieces"]
+    stored = replace(record, nbytes=primary.numel() * primary.dtype.itemsize, itemsize=primary.dtype.itemsize,
+                     codec=lossless, lossy=lossy)
+    parts = {}
+    for name, part in encoded.parts.items():
+        if name == "q":
+            continue
+        part_record = ArrayRecord(f"{record.path}#{name}", "part", torch_dtype_name(part.dtype), list(part.shape),
+                                  part.numel() * part.dtype.itemsize, part.dtype.itemsize, lossless)
+        parts[name] = (part_record, tensor_bytes(part))
+    return stored, tensor_bytes(primary.contiguous()), parts
+
+
+def _residual_base(vault: Vault, keyframe: dict[str, Any] | None, record: ArrayRecord
+                   ) -> tuple[torch.Tensor, dict[str, Any]] | None:
+    """The keyframe's exact copy of this tensor and where it lives, if the keyframe stored it exactly."""
+    if keyframe is None:
+        return None
+    entry = next((t for t in keyframe["tensors"] if t["path"] == record.path), None)
+    if (entry is None or entry["kind"] != "torch" or entry["dtype"] != record.dtype or entry["shape"] != record.shape
+            or entry.get("lossy", {}).get("codec", "lossless") != "lossless"):
+        return None
+    from .restore import read_into
+
+    value = empty_like_record("torch", entry["dtype"], entry["shape"])
+    index = keyframe["tensors"].index(entry)
+    read_into(vault, keyframe, {index: writable_bytes(value)})
+    chunks = keyframe["chunks"]
+    pieces = [{"chunk": chunks[c], "offset": offset, "length": length} for c, offset, length in entry["pieces"]]
+    return value, {"step": keyframe["step"], "pieces": pieces}
+
