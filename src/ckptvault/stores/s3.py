@@ -1,0 +1,349 @@
+"""The native S3 store (``s3://bucket/prefix``): AWS S3 and S3-compatible services (Tencent COS, Ceph RGW, MinIO).
+
+Built on boto3 (see docs/STORAGE.md for why, and for how to point it at each
+service). Keys of the vault are object keys under ``prefix/``.
+
+Atomicity and durability come from S3 itself: a PutObject or
+CompleteMultipartUpload makes the whole object visible at once, and is durable
+when it returns. ``put_if_absent`` sends ``If-None-Match: *``, so exactly one of
+several concurrent writers wins (AWS S3 since 2024, Ceph RGW, MinIO, COS). It
+always uses one PutObject for objects up to 5 GiB (ckptvault's chunks are at
+most 256 MiB, manifests are small), because some services (Ceph RGW 16)
+silently ignore ``If-None-Match`` on CompleteMultipartUpload. ``put`` of larger
+objects uses multipart upload with parallel parts, ``get`` of large objects
+parallel ranged reads; both bounded by ``max_concurrency``.
+
+Retries: botocore's ``standard`` (or ``adaptive``) mode retries 5xx,
+throttling, timeouts and connection errors with exponential backoff and
+jitter; this store also retries reads whose body was cut off, which botocore
+does not. A conditional PUT that botocore retried after an ambiguous failure
+and that then finds the key taken reads the object back: if it holds our
+bytes, our first attempt created it and the call returns True.
+
+``touch`` copies the object onto itself with replaced metadata, which sets its
+LastModified (the mtime gc compares); objects over 5 GiB cannot be touched that
+way, and ckptvault never writes such chunks.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+from ..errors import InvalidArgumentError, ObjectNotFoundError, PermanentStorageError, RetryableStorageError
+from .base import ObjectInfo, Store
+from .s3_support import (
+    MAX_SINGLE_PUT,
+    NOT_FOUND_CODES,
+    S3Options,
+    classify,
+    default_addressing,
+    error_code,
+    is_transport_error,
+    lifecycle_risks,
+    parse_s3_url,
+    retry_attempts,
+)
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class S3Store(Store):
+    """Objects under ``s3://bucket/prefix``; thread-safe. ``options`` are :class:`S3Options` fields."""
+
+    def __init__(self, url: str, **options: Any) -> None:
+        try:
+            import boto3  # noqa: F401
+        except ImportError:
+            raise InvalidArgumentError(
+                f"{url} needs boto3: pip install 'ckptvault[s3]' (or pip install boto3)") from None
+        self.bucket, self.prefix = parse_s3_url(url)
+        self.url = f"s3://{self.bucket}/{self.prefix}".rstrip("/")
+        self.options = S3Options.from_dict(options)
+        self.client = _make_client(self.options)
+        self.endpoint = self.client.meta.endpoint_url
+        self._where = f"{self.url} (endpoint {self.endpoint})"
+        self._pool = ThreadPoolExecutor(self.options.max_concurrency, thread_name_prefix="ckptvault-s3")
+        self._closed = False
+        if self.options.create_bucket:
+            self._create_bucket()
+        if self.options.check_lifecycle:
+            self.check_lifecycle()
+
+    # -- helpers ------------------------------------------------------------------
+    def _key(self, key: str) -> str:
+        if not key or key.startswith("/") or ".." in key.split("/"):
+            raise PermanentStorageError(f"invalid storage key {key!r}")
+        return f"{self.prefix}/{key}" if self.prefix else key
+
+    def _call(self, what: str, fn: Callable[..., T], **kwargs: Any) -> T:
+        """One S3 request (botocore retries it), its failure classified."""
+        try:
+            return fn(Bucket=self.bucket, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - classified below
+            raise classify(exc, what, self._where) from exc
+
+    def _retrying(self, what: str, fn: Callable[[], T]) -> T:
+        """Run ``fn`` again, with exponential backoff and full jitter, when a body read was cut off or stalled."""
+        for attempt in range(self.options.max_attempts):
+            try:
+                return fn()
+            except RetryableStorageError as exc:
+                cause = exc.__cause__
+                if cause is None or not is_transport_error(cause) or attempt + 1 >= self.options.max_attempts:
+                    raise
+                delay = random.uniform(0, min(20.0, 0.1 * 2 ** attempt))
+                log.debug("retrying %s in %.2f s after %s", what, delay, cause)
+                time.sleep(delay)
+        raise AssertionError("unreachable")
+
+    # -- reads --------------------------------------------------------------------
+    def get(self, key: str) -> bytes:
+        return self._get_full(self._key(key))
+
+    def _get_full(self, full: str) -> bytes:
+        """The whole object: one ranged GET, then the rest of a large object in parallel ranges of one version."""
+        part = self.options.multipart_chunksize
+        for _ in range(3):  # the object may be replaced between the first and later ranges: read it again
+            first, total, etag = self._retrying(full, lambda: self._read_range(full, 0, part))
+            if total <= part:
+                return first
+            rest = [(start, min(part, total - start)) for start in range(part, total, part)]
+            try:
+                pieces = list(self._pool.map(lambda r, tag=etag: self._read_part(full, r[0], r[1], tag), rest))
+            except _ObjectChanged:
+                continue
+            return b"".join([first, *pieces])
+        raise RetryableStorageError(f"{full!r} in {self._where} kept changing while it was read")
+
+    def get_range(self, key: str, start: int, length: int) -> bytes:
+        if length <= 0:
+            self.stat(key)  # a missing key is still an error
+            return b""
+        full = self._key(key)
+        return self._retrying(full, lambda: self._read_range(full, start, length)[0])
+
+    def _read_part(self, full: str, start: int, length: int, etag: str) -> bytes:
+        return self._retrying(full, lambda: self._read_range(full, start, length, etag)[0])
+
+    def _read_range(self, full: str, start: int, length: int, etag: str | None = None) -> tuple[bytes, int, str]:
+        """Bytes [start, start+length) of an object (fewer at its end), its total size and ETag."""
+        extra = {"IfMatch": etag} if etag else {}
+        try:
+            resp = self.client.get_object(Bucket=self.bucket, Key=full, Range=f"bytes={start}-{start + length - 1}", **extra)
+            data = resp["Body"].read()
+        except Exception as exc:  # noqa: BLE001 - classified below
+            code = error_code(exc)
+            if code == "InvalidRange":  # start at or past the end (an empty object has no byte 0)
+                return b"", self._stat_full(full).size, ""
+            if code == "PreconditionFailed" and etag:
+                raise _ObjectChanged(full) from exc
+            raise classify(exc, full, self._where) from exc
+        total = int(str(resp.get("ContentRange", "")).rpartition("/")[2] or len(data))
+        if len(data) != min(length, max(0, total - start)):
+            raise RetryableStorageError(f"short read of {full!r} in {self._where}: {len(data)} bytes") from (
+                ConnectionError("truncated body"))
+        return data, total, resp.get("ETag", "")
+
+    def exists(self, key: str) -> bool:
+        try:
+            self.stat(key)
+        except ObjectNotFoundError:
+            return False
+        return True
+
+    def stat(self, key: str) -> ObjectInfo:
+        info = self._stat_full(self._key(key))
+        return ObjectInfo(key, info.size, info.mtime)
+
+    def _stat_full(self, full: str) -> ObjectInfo:
+        resp = self._call(full, self.client.head_object, Key=full)
+        return ObjectInfo(full, int(resp["ContentLength"]), resp["LastModified"].timestamp())
+
+    def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        base = f"{self.prefix}/" if self.prefix else ""
+        paginator = self.client.get_paginator("list_objects_v2")
+        try:
+            for page in paginator.paginate(Bucket=self.bucket, Prefix=base + prefix):
+                for item in page.get("Contents", []):
+                    yield ObjectInfo(item["Key"][len(base):], int(item["Size"]), item["LastModified"].timestamp())
+        except Exception as exc:  # noqa: BLE001 - classified below
+            raise classify(exc, f"listing of {prefix!r}", self._where) from exc
+
+    # -- writes -------------------------------------------------------------------
+    def put(self, key: str, data: bytes | memoryview) -> None:
+        full, body = self._key(key), _as_bytes(data)
+        if len(body) > self.options.multipart_threshold:
+            self._multipart(full, body)
+        else:
+            self._call(full, self.client.put_object, Key=full, Body=body)
+
+    def put_if_absent(self, key: str, data: bytes | memoryview) -> bool:
+        full, body = self._key(key), _as_bytes(data)
+        if not self.options.conditional_writes:
+            if self.exists(key):
+                return False
+            self.put(key, body)
+            return True
+        if len(body) > MAX_SINGLE_PUT:
+            return self._multipart_if_absent(key, full, body)
+        for attempt in range(self.options.max_attempts):
+            try:
+                self.client.put_object(Bucket=self.bucket, Key=full, Body=body, IfNoneMatch="*")
+                return True
+            except Exception as exc:  # noqa: BLE001 - classified below
+                code = error_code(exc)
+                if code == "PreconditionFailed":
+                    return retry_attempts(exc) > 0 and self._holds(full, body)
+                if code == "ConditionalRequestConflict" and attempt + 1 < self.options.max_attempts:
+                    time.sleep(random.uniform(0, 0.1 * 2 ** attempt))  # a concurrent conditional write: ask again
+                    continue
+                raise classify(exc, full, self._where) from exc
+        raise AssertionError("unreachable")
+
+    def _holds(self, full: str, body: bytes) -> bool:
+        """True if the object now holds exactly ``body`` (our own earlier, retried attempt created it)."""
+        try:
+            return self._get_full(full) == body
+        except ObjectNotFoundError:
+            return False
+
+    def _multipart_if_absent(self, key: str, full: str, body: bytes) -> bool:
+        if self.exists(key):
+            return False
+        if not self.options.conditional_multipart:
+            log.warning("%s: %d-byte object %r is over S3's single-PUT limit; create-if-absent falls back to check-then-"
+                        "write (set conditional_multipart=True where the service honours If-None-Match on "
+                        "CompleteMultipartUpload)", self.url, len(body), key)
+        try:
+            self._multipart(full, body, if_none_match=self.options.conditional_multipart)
+        except PermanentStorageError as exc:
+            if exc.__cause__ is not None and error_code(exc.__cause__) == "PreconditionFailed":
+                return False
+            raise
+        return True
+
+    def _multipart(self, full: str, body: bytes, if_none_match: bool = False) -> None:
+        """Upload ``body`` in parts of ``multipart_chunksize`` (in parallel); abort the upload on failure."""
+        upload = self._call(full, self.client.create_multipart_upload, Key=full)["UploadId"]
+        size = self.options.multipart_chunksize
+        spans = [(i + 1, start) for i, start in enumerate(range(0, len(body), size))]
+        view = memoryview(body)
+
+        def send(span: tuple[int, int]) -> dict[str, Any]:
+            number, start = span
+            resp = self._call(full, self.client.upload_part, Key=full, UploadId=upload, PartNumber=number,
+                              Body=bytes(view[start:start + size]))
+            return {"PartNumber": number, "ETag": resp["ETag"]}
+
+        try:
+            parts = list(self._pool.map(send, spans))
+            extra = {"IfNoneMatch": "*"} if if_none_match else {}
+            self._call(full, self.client.complete_multipart_upload, Key=full, UploadId=upload,
+                       MultipartUpload={"Parts": parts}, **extra)
+        except BaseException:
+            try:
+                self.client.abort_multipart_upload(Bucket=self.bucket, Key=full, UploadId=upload)
+            except Exception as exc:  # noqa: BLE001 - best effort; a lifecycle rule can clean up the rest
+                log.warning("could not abort multipart upload of %r in %s: %s", full, self._where, exc)
+            raise
+
+    def delete(self, key: str) -> None:
+        full = self._key(key)
+        try:
+            self.client.delete_object(Bucket=self.bucket, Key=full)
+        except Exception as exc:  # noqa: BLE001 - classified below
+            if error_code(exc) in NOT_FOUND_CODES:
+                return
+            raise classify(exc, full, self._where) from exc
+
+    def touch(self, key: str) -> None:
+        full = self._key(key)
+        self._call(full, self.client.copy_object, Key=full, CopySource={"Bucket": self.bucket, "Key": full},
+                   MetadataDirective="REPLACE", Metadata={"ckptvault-touched": f"{time.time():.3f}"})
+
+    # -- bucket -------------------------------------------------------------------
+    def check_lifecycle(self) -> list[str]:
+        """Warn (logging) about lifecycle rules that could expire or archive vault objects; return what was found.
+
+        Raises PermanentStorageError if the bucket does not exist or the
+        credentials are rejected; a lifecycle configuration the credentials may
+        not read is skipped (debug log).
+        """
+        try:
+            rules = self.client.get_bucket_lifecycle_configuration(Bucket=self.bucket).get("Rules", [])
+        except Exception as exc:  # noqa: BLE001 - classified below
+            code = error_code(exc)
+            if code in ("NoSuchLifecycleConfiguration", "NotImplemented", "MethodNotAllowed"):
+                return []
+            if code in ("AccessDenied", "403"):
+                log.debug("cannot read the lifecycle configuration of %s: %s", self.bucket, code)
+                return []
+            raise classify(exc, f"bucket {self.bucket}", self._where) from exc
+        risks = lifecycle_risks(rules, self.prefix)
+        if risks:
+            log.warning(
+                "bucket lifecycle rules can delete or archive objects of the vault %s: %s. Chunks are shared by many "
+                "checkpoints, so an age-based rule would break newer checkpoints that still use old chunks; remove "
+                "these rules for the vault prefix and use ckptvault retention (prune + gc) instead (docs/STORAGE.md)",
+                self.url, "; ".join(risks))
+        return risks
+
+    def _create_bucket(self) -> None:
+        region = self.client.meta.region_name
+        extra = {}
+        if region and region != "us-east-1" and not self.options.endpoint_url:
+            extra["CreateBucketConfiguration"] = {"LocationConstraint": region}
+        try:
+            self.client.create_bucket(Bucket=self.bucket, **extra)
+            log.info("created bucket %s at %s", self.bucket, self.endpoint)
+        except Exception as exc:  # noqa: BLE001 - classified below
+            if error_code(exc) not in ("BucketAlreadyOwnedByYou", "BucketAlreadyExists"):
+                raise classify(exc, f"bucket {self.bucket}", self._where) from exc
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._pool.shutdown(wait=True)
+        self.client.close()
+
+
+class _ObjectChanged(Exception):
+    """The object was replaced between two ranged reads of one get()."""
+
+
+def _as_bytes(data: bytes | memoryview) -> bytes:
+    return data if isinstance(data, bytes) else memoryview(data).cast("B").tobytes()
+
+
+_SESSION_LOCK = threading.Lock()  # boto3 sessions are not thread-safe; clients are
+
+
+def _make_client(opts: S3Options) -> Any:
+    import boto3
+    from botocore.config import Config
+
+    style = opts.addressing_style or default_addressing(opts.endpoint_url)
+    config = Config(
+        retries={"mode": opts.retry_mode, "total_max_attempts": opts.max_attempts},
+        connect_timeout=opts.connect_timeout, read_timeout=opts.read_timeout,
+        max_pool_connections=opts.max_pool_connections,
+        # S3-compatible services (Ceph RGW 16, older MinIO, COS) do not all understand the CRC checksums
+        # botocore >= 1.36 adds to every request; MD5/ETag and our own blake3 hashes already cover integrity.
+        request_checksum_calculation="when_required", response_checksum_validation="when_required",
+        s3={"addressing_style": style} if style else None,
+        user_agent_extra="ckptvault",
+    )
+    with _SESSION_LOCK:
+        session = boto3.session.Session(profile_name=opts.profile) if opts.profile else boto3.session.Session()
+        return session.client(
+            "s3", endpoint_url=opts.endpoint_url, region_name=opts.region_name, verify=opts.verify, config=config,
+            aws_access_key_id=opts.aws_access_key_id, aws_secret_access_key=opts.aws_secret_access_key,
+            aws_session_token=opts.aws_session_token)

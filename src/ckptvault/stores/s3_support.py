@@ -1,0 +1,232 @@
+"""Pieces of the S3 store that need no connection: URL and option parsing, error classification, lifecycle rules.
+
+Kept apart from ``s3.py`` so that each can be read (and tested) on its own.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+from dataclasses import dataclass, fields
+from typing import Any
+from urllib.parse import urlsplit
+
+from ..errors import (
+    InvalidArgumentError,
+    ObjectNotFoundError,
+    PermanentStorageError,
+    RetryableStorageError,
+    StorageError,
+    StorageFullError,
+)
+
+MiB = 1 << 20
+#: S3's limit for one PutObject / CopyObject; larger objects need multipart upload
+MAX_SINGLE_PUT = 5 << 30
+
+NOT_FOUND_CODES = {"NoSuchKey", "404", "NotFound"}
+CREDENTIAL_CODES = {"InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "InvalidToken", "TokenRefreshRequired",
+                    "InvalidClientTokenId", "AuthorizationHeaderMalformed", "RequestTimeTooSkewed"}
+DENIED_CODES = {"AccessDenied", "403", "AllAccessDisabled", "AccountProblem", "InvalidObjectState", "UserSuspended"}
+FULL_CODES = {"QuotaExceeded", "EntityTooLarge", "StorageFull", "InsufficientStorage"}
+RETRYABLE_CODES = {"SlowDown", "Throttling", "ThrottlingException", "RequestTimeout", "RequestTimeTooSkewedRetry",
+                   "InternalError", "ServiceUnavailable", "503", "500", "502", "504", "ConditionalRequestConflict",
+                   "OperationAborted", "RequestLimitExceeded", "BandwidthLimitExceeded", "TooManyRequests"}
+#: storage classes whose objects cannot be read without a restore request first
+ARCHIVE_CLASSES = {"GLACIER", "DEEP_ARCHIVE", "ARCHIVE", "DEEP_ARCHIVE_ACCESS", "ARCHIVE_ACCESS"}
+
+
+@dataclass
+class S3Options:
+    """Every ``storage_options`` key an ``s3://`` URL accepts (see docs/STORAGE.md)."""
+
+    endpoint_url: str | None = None        # any S3-compatible service; default: AWS (or AWS_ENDPOINT_URL[_S3])
+    region_name: str | None = None         # default: AWS_REGION / AWS_DEFAULT_REGION / config file
+    profile: str | None = None             # a profile of ~/.aws/config and ~/.aws/credentials
+    aws_access_key_id: str | None = None
+    aws_secret_access_key: str | None = None
+    aws_session_token: str | None = None
+    addressing_style: str | None = None    # "virtual" (bucket.host, COS needs it), "path" (host/bucket), "auto"
+    verify: bool | str | None = None       # TLS verification: False, or a CA bundle path
+    max_concurrency: int = 8               # parallel part uploads / ranged reads of one object
+    multipart_threshold: int = 64 * MiB    # put() of larger objects uses multipart upload
+    multipart_chunksize: int = 16 * MiB    # part size of uploads and of parallel ranged reads
+    max_attempts: int = 5                  # tries per request, the first included (botocore; ours for torn bodies)
+    retry_mode: str = "standard"           # botocore retry mode: "standard" or "adaptive" (client-side rate limiting)
+    connect_timeout: float = 5.0
+    read_timeout: float = 30.0             # seconds without a byte before a request counts as stalled
+    max_pool_connections: int = 64
+    conditional_writes: bool = True        # put_if_absent with If-None-Match: *; False: HEAD then PUT (one writer only)
+    conditional_multipart: bool = False    # objects over 5 GiB: complete the multipart upload with If-None-Match
+    check_lifecycle: bool = True           # on open, warn about lifecycle rules that could expire vault objects
+    create_bucket: bool = False            # create the bucket on open if it does not exist
+
+    @classmethod
+    def from_dict(cls, options: dict[str, Any] | None) -> S3Options:
+        """Options from a ``storage_options`` dict; unknown keys are an InvalidArgumentError naming the known ones."""
+        options = dict(options or {})
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise InvalidArgumentError(f"unknown storage_options for s3:// URLs: {unknown}; known: {sorted(known)}")
+        opts = cls(**options)
+        if opts.addressing_style not in (None, "auto", "virtual", "path"):
+            raise InvalidArgumentError(f"addressing_style must be 'virtual', 'path' or 'auto', got {opts.addressing_style!r}")
+        if opts.retry_mode not in ("standard", "adaptive", "legacy"):
+            raise InvalidArgumentError(f"retry_mode must be 'standard' or 'adaptive', got {opts.retry_mode!r}")
+        if opts.multipart_chunksize < 5 * MiB or opts.multipart_threshold < opts.multipart_chunksize:
+            raise InvalidArgumentError("multipart_chunksize must be at least 5 MiB (S3's minimum part size) and "
+                                       "multipart_threshold at least multipart_chunksize")
+        if opts.max_concurrency < 1 or opts.max_attempts < 1:
+            raise InvalidArgumentError("max_concurrency and max_attempts must be at least 1")
+        return opts
+
+
+def parse_s3_url(url: str) -> tuple[str, str]:
+    """``s3://bucket/some/prefix/`` -> ("bucket", "some/prefix"); the prefix may be empty."""
+    parts = urlsplit(url)
+    if parts.scheme != "s3" or not parts.netloc:
+        raise InvalidArgumentError(f"not an S3 URL: {url!r} (expected s3://BUCKET/PREFIX)")
+    prefix = parts.path.strip("/")
+    if "//" in prefix or any(p in (".", "..") for p in prefix.split("/") if prefix):
+        raise InvalidArgumentError(f"invalid key prefix {prefix!r} in {url!r}")
+    return parts.netloc, prefix
+
+
+def default_addressing(endpoint_url: str | None) -> str | None:
+    """Path-style for endpoints given as an IP address or localhost (no DNS names per bucket); else botocore's choice."""
+    endpoint = endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    if not endpoint:
+        return None
+    host = urlsplit(endpoint).hostname or ""
+    if host == "localhost":
+        return "path"
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return None
+    return "path"
+
+
+# -- errors ---------------------------------------------------------------------------
+def error_code(exc: BaseException) -> str:
+    """The S3 error code of a botocore ClientError ("" for anything else)."""
+    response = getattr(exc, "response", None)
+    if not isinstance(response, dict):
+        return ""
+    return str(response.get("Error", {}).get("Code", ""))
+
+
+def http_status(exc: BaseException) -> int:
+    response = getattr(exc, "response", None)
+    if not isinstance(response, dict):
+        return 0
+    return int(response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0)
+
+
+def retry_attempts(exc: BaseException) -> int:
+    """How many times botocore retried the request that raised ``exc`` (0 if unknown)."""
+    response = getattr(exc, "response", None)
+    if not isinstance(response, dict):
+        return 0
+    return int(response.get("ResponseMetadata", {}).get("RetryAttempts") or 0)
+
+
+def is_transport_error(exc: BaseException) -> bool:
+    """A connection reset, timeout or truncated body: the request may be retried."""
+    from botocore import exceptions as be
+    from urllib3 import exceptions as ue
+
+    transport = (be.ConnectionError, be.ReadTimeoutError, be.ConnectTimeoutError, be.IncompleteReadError,
+                 be.ResponseStreamingError, ue.ProtocolError, ue.ReadTimeoutError, ConnectionError, TimeoutError)
+    return isinstance(exc, transport)
+
+
+def classify(exc: BaseException, what: str, where: str) -> StorageError:
+    """Turn a botocore/urllib3 exception into ckptvault's storage error, with a message saying what to check.
+
+    ``what`` names the object or operation, ``where`` the store (URL and endpoint).
+    """
+    from botocore import exceptions as be
+
+    if isinstance(exc, StorageError):
+        return exc
+    code, status = error_code(exc), http_status(exc)
+    if isinstance(exc, (be.NoCredentialsError, be.PartialCredentialsError)):
+        return PermanentStorageError(
+            f"no usable S3 credentials for {where}: {exc}. Set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, "
+            "AWS_PROFILE, or storage_options aws_access_key_id/aws_secret_access_key/profile")
+    if code in NOT_FOUND_CODES:
+        return ObjectNotFoundError(f"no object {what!r} in {where}")
+    if code == "NoSuchBucket":
+        return PermanentStorageError(
+            f"the bucket of {where} does not exist: check the bucket name, the endpoint and the region, or create it "
+            "(storage_options create_bucket=True)")
+    if code in CREDENTIAL_CODES:
+        return PermanentStorageError(
+            f"{where} rejected the credentials ({code}) while accessing {what!r}: check AWS_ACCESS_KEY_ID / "
+            "AWS_SECRET_ACCESS_KEY (or the profile), that they belong to this endpoint and region, and the clock")
+    if code in DENIED_CODES or status == 403:
+        return PermanentStorageError(
+            f"access denied ({code or status}) to {what!r} in {where}: check that the credentials' policy allows "
+            "s3:GetObject, s3:PutObject, s3:DeleteObject and s3:ListBucket on the bucket and prefix")
+    if code in ("PermanentRedirect", "301", "AuthorizationQueryParametersError", "IllegalLocationConstraintException"):
+        region = getattr(exc, "response", {}).get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("x-amz-bucket-region")
+        hint = f" (the bucket is in {region})" if region else ""
+        return PermanentStorageError(f"{where} is in another region{hint}: set region_name or AWS_REGION accordingly")
+    if code in FULL_CODES:
+        return StorageFullError(f"the store refused to write {what!r} in {where}: {code}. Committed checkpoints are "
+                                "intact; free space or raise the quota, then save again")
+    if code in RETRYABLE_CODES or status >= 500 or status == 429 or is_transport_error(exc):
+        return RetryableStorageError(f"transient S3 failure on {what!r} in {where} after retries: {_short(exc)}")
+    if isinstance(exc, (be.ParamValidationError, be.InvalidRegionError, be.InvalidEndpointConfigurationError)):
+        return PermanentStorageError(f"invalid S3 request for {what!r} in {where}: {exc}")
+    if isinstance(exc, be.BotoCoreError):
+        return PermanentStorageError(f"S3 client error on {what!r} in {where}: {exc}")
+    return PermanentStorageError(f"S3 error on {what!r} in {where}: {_short(exc)}")
+
+
+def _short(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return text if len(text) < 300 else text[:297] + "..."
+
+
+# -- lifecycle rules ---------------------------------------------------------------------
+def lifecycle_risks(rules: list[dict[str, Any]], prefix: str) -> list[str]:
+    """Descriptions of the enabled lifecycle rules that could expire or archive objects under ``prefix``.
+
+    ``rules`` are the ``Rules`` of a GetBucketLifecycleConfiguration answer. A
+    rule is dangerous when it applies to some key under the vault prefix
+    (its prefix and the vault's overlap; tag filters never match, since
+    ckptvault does not tag objects) and it expires current objects (``Expiration``
+    with ``Days`` or ``Date``) or moves them to an archive class that needs a
+    restore before reads. Rules that only expire noncurrent versions, delete
+    markers or incomplete multipart uploads are safe.
+    """
+    vault_prefix = prefix + "/" if prefix else ""
+    risks = []
+    for rule in rules:
+        if rule.get("Status") != "Enabled" or not _rule_matches(rule, vault_prefix):
+            continue
+        name = rule.get("ID") or "(unnamed)"
+        expiration = rule.get("Expiration") or {}
+        if "Days" in expiration or "Date" in expiration:
+            when = f"after {expiration['Days']} days" if "Days" in expiration else f"on {expiration['Date']}"
+            risks.append(f"rule {name!r} expires objects {when}")
+        for transition in rule.get("Transitions") or []:
+            if transition.get("StorageClass") in ARCHIVE_CLASSES:
+                risks.append(f"rule {name!r} moves objects to {transition['StorageClass']}, which cannot be read "
+                             "without a restore")
+    return risks
+
+
+def _rule_matches(rule: dict[str, Any], vault_prefix: str) -> bool:
+    filt = rule.get("Filter")
+    if filt is None:
+        rule_prefix = rule.get("Prefix", "")
+    elif "Tag" in filt or (filt.get("And") or {}).get("Tags"):
+        return False
+    else:
+        rule_prefix = filt.get("Prefix", (filt.get("And") or {}).get("Prefix", ""))
+    rule_prefix = rule_prefix or ""
+    return rule_prefix.startswith(vault_prefix) or vault_prefix.startswith(rule_prefix)

@@ -1,0 +1,279 @@
+"""S3Store against a real Ceph RADOS Gateway on loopback (tests/conftest_s3.py starts it).
+
+The store conformance suite, what is particular to S3 (multipart, parallel ranged reads of one version, typed
+errors that name what to check, lifecycle warnings), and CheckpointManager end to end on an s3:// URL.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+
+from ckptvault import CheckpointManager
+from ckptvault.errors import InvalidArgumentError, PermanentStorageError, RetryableStorageError, StepNotFoundError
+from ckptvault.stores import Store, open_store
+from ckptvault.stores.conformance import StoreConformance
+from ckptvault.stores.s3 import S3Store
+from ckptvault.stores.s3_support import lifecycle_risks, parse_s3_url
+from conftest import assert_same_state
+
+pytest.register_assert_rewrite("conftest_s3")
+from conftest_s3 import BUCKET, Gateway, gateway  # noqa: E402
+
+pytest_plugins = ["conftest_s3"]  # fixtures rgw (the gateway), s3_url
+
+MiB = 1 << 20
+
+
+def _unique_url() -> str:
+    return f"s3://{BUCKET}/{uuid.uuid4().hex[:12]}"
+
+
+class TestS3Store(StoreConformance):
+    mtime_resolution = 1.0  # S3 LastModified has whole seconds
+
+    def make_store(self, tmp_path: Path) -> Store:
+        return S3Store(_unique_url(), **gateway().options())
+
+    def make_peer(self, store: Store) -> Store:
+        return S3Store(store.url, **gateway().options(check_lifecycle=False))
+
+    def test_open_store_selects_s3(self, store: Store) -> None:
+        other = open_store(store.url, gateway().options())
+        try:
+            assert isinstance(other, S3Store) and other.url == store.url
+            store.put("x", b"1")
+            assert other.get("x") == b"1"
+        finally:
+            other.close()
+
+
+# -- multipart and ranged reads ---------------------------------------------------------
+def test_large_put_is_multipart_and_get_reads_ranges_in_parallel(rgw: Gateway, s3_url: str) -> None:
+    store = S3Store(s3_url, **rgw.options(multipart_threshold=5 * MiB, multipart_chunksize=5 * MiB))
+    data = os.urandom(17 * MiB + 123)
+    store.put("big", data)
+    head = rgw.client().head_object(Bucket=BUCKET, Key=f"{store.prefix}/big")
+    assert head["ETag"].strip('"').endswith("-4"), head["ETag"]  # 4 parts
+    assert store.get("big") == data
+    assert store.get_range("big", 5 * MiB - 10, 20) == data[5 * MiB - 10 : 5 * MiB + 10]
+    assert store.stat("big").size == len(data)
+    store.close()
+
+
+def test_put_if_absent_of_a_large_object_is_one_conditional_put(rgw: Gateway, s3_url: str) -> None:
+    """Ceph RGW ignores If-None-Match on CompleteMultipartUpload, so create-if-absent never uses multipart (<= 5 GiB)."""
+    stores = [S3Store(s3_url, **rgw.options(multipart_threshold=5 * MiB, multipart_chunksize=5 * MiB,
+                                            check_lifecycle=False)) for _ in range(4)]
+    payloads = [bytes([i]) * (6 * MiB) for i in range(4)]
+    results: list[bool] = [False] * 4
+    barrier = threading.Barrier(4)
+
+    def write(i: int) -> None:
+        barrier.wait()
+        results[i] = stores[i].put_if_absent("big-once", payloads[i])
+
+    threads = [threading.Thread(target=write, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sum(results) == 1
+    assert stores[0].get("big-once") == payloads[results.index(True)]
+    head = rgw.client().head_object(Bucket=BUCKET, Key=f"{stores[0].prefix}/big-once")
+    assert "-" not in head["ETag"]  # a single PutObject
+    for s in stores:
+        s.close()
+
+
+def test_get_of_a_large_object_never_mixes_two_versions(rgw: Gateway, s3_url: str) -> None:
+    store = S3Store(s3_url, **rgw.options(multipart_threshold=5 * MiB, multipart_chunksize=5 * MiB))
+    a, b = b"a" * (12 * MiB), b"b" * (12 * MiB)
+    store.put("obj", a)
+    torn: list[int] = []
+    stop = threading.Event()
+
+    def read() -> None:
+        while not stop.is_set():
+            data = store.get("obj")
+            if data not in (a, b):
+                torn.append(len(data))
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    try:
+        for i in range(6):
+            store.put("obj", b if i % 2 == 0 else a)
+    finally:
+        stop.set()
+        reader.join()
+    assert torn == []
+    store.close()
+
+
+# -- errors -----------------------------------------------------------------------------
+def test_wrong_secret_fails_fast_and_says_what_to_check(rgw: Gateway, s3_url: str) -> None:
+    start = time.monotonic()
+    with pytest.raises(PermanentStorageError, match=r"rejected the credentials \(SignatureDoesNotMatch\).*"
+                       "AWS_SECRET_ACCESS_KEY"):
+        S3Store(s3_url, **rgw.options(aws_secret_access_key="wrong"))
+    assert time.monotonic() - start < 5
+
+
+def test_unknown_access_key_fails_fast(rgw: Gateway, s3_url: str) -> None:
+    start = time.monotonic()
+    store = S3Store(s3_url, **rgw.options(aws_access_key_id="NOSUCHKEY", check_lifecycle=False))
+    with pytest.raises(PermanentStorageError, match=r"InvalidAccessKeyId.*AWS_ACCESS_KEY_ID"):
+        store.put("k", b"x")
+    assert time.monotonic() - start < 5
+
+
+def test_missing_bucket_is_named_on_open_and_on_use(rgw: Gateway) -> None:
+    with pytest.raises(PermanentStorageError, match=r"bucket of s3://ckv-no-such-bucket/p .* does not exist.*create"):
+        S3Store("s3://ckv-no-such-bucket/p", **rgw.options())
+    store = S3Store("s3://ckv-no-such-bucket/p", **rgw.options(check_lifecycle=False))
+    with pytest.raises(PermanentStorageError, match="does not exist"):
+        store.get("vault.json")
+    with pytest.raises(PermanentStorageError, match="does not exist"):
+        store.put("x", b"1")
+
+
+def test_missing_credentials_say_where_to_put_them(rgw: Gateway, s3_url: str, monkeypatch: pytest.MonkeyPatch,
+                                                   tmp_path: Path) -> None:
+    for name in list(os.environ):
+        if name.startswith("AWS_"):
+            monkeypatch.delenv(name)
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    with pytest.raises(PermanentStorageError, match="no usable S3 credentials.*AWS_ACCESS_KEY_ID"):
+        S3Store(s3_url, endpoint_url=rgw.endpoint, region_name="us-east-1")
+
+
+def test_unreachable_endpoint_is_retryable_and_bounded() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again: connections are refused
+    start = time.monotonic()
+    store = S3Store("s3://bucket/p", endpoint_url=f"http://127.0.0.1:{port}", aws_access_key_id="a",
+                    aws_secret_access_key="b", region_name="us-east-1", check_lifecycle=False, max_attempts=2)
+    with pytest.raises(RetryableStorageError, match="transient S3 failure on 'p/k'"):
+        store.get("k")
+    assert time.monotonic() - start < 10
+
+
+def test_bad_urls_and_options() -> None:
+    with pytest.raises(InvalidArgumentError, match="unknown storage_options for s3:// URLs: \\['endpoint'\\]"):
+        S3Store("s3://b/p", endpoint="http://x")
+    with pytest.raises(InvalidArgumentError, match="addressing_style"):
+        S3Store("s3://b/p", addressing_style="dns")
+    assert parse_s3_url("s3://bucket/a/b/") == ("bucket", "a/b")
+    assert parse_s3_url("s3://bucket") == ("bucket", "")
+    with pytest.raises(InvalidArgumentError, match="invalid key prefix"):
+        parse_s3_url("s3://bucket/a/../b")
+
+
+def test_create_bucket_option(rgw: Gateway) -> None:
+    name = f"ckv-new-{uuid.uuid4().hex[:8]}"
+    store = S3Store(f"s3://{name}/vault", **rgw.options(create_bucket=True))
+    store.put("k", b"v")
+    assert S3Store(f"s3://{name}/vault", **rgw.options(create_bucket=True)).get("k") == b"v"  # exists: fine
+
+
+# -- lifecycle rules --------------------------------------------------------------------
+def test_lifecycle_rule_expiring_the_vault_prefix_warns_on_open(rgw: Gateway, caplog: pytest.LogCaptureFixture) -> None:
+    bucket = f"ckv-lc-{uuid.uuid4().hex[:8]}"
+    client = rgw.client()
+    client.create_bucket(Bucket=bucket)
+    client.put_bucket_lifecycle_configuration(Bucket=bucket, LifecycleConfiguration={"Rules": [
+        {"ID": "expire-ckpts", "Status": "Enabled", "Filter": {"Prefix": "ckpts/"}, "Expiration": {"Days": 30}},
+        {"ID": "expire-logs", "Status": "Enabled", "Filter": {"Prefix": "logs/"}, "Expiration": {"Days": 1}},
+        {"ID": "abort-uploads", "Status": "Enabled", "Filter": {"Prefix": ""},
+         "AbortIncompleteMultipartUpload": {"DaysAfterInitiation": 1}},
+    ]})
+    with caplog.at_level(logging.WARNING, logger="ckptvault"):
+        S3Store(f"s3://{bucket}/ckpts/run1", **rgw.options()).close()
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warned) == 1
+    assert "rule 'expire-ckpts' expires objects after 30 days" in warned[0] and "prune + gc" in warned[0]
+    assert "expire-logs" not in warned[0] and "abort-uploads" not in warned[0]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="ckptvault"):
+        S3Store(f"s3://{bucket}/other", **rgw.options()).close()
+    assert not [r for r in caplog.records if r.levelno == logging.WARNING]
+
+
+def test_lifecycle_risks_rules() -> None:
+    rules = [
+        {"ID": "all", "Status": "Enabled", "Filter": {}, "Expiration": {"Days": 7}},
+        {"ID": "disabled", "Status": "Disabled", "Filter": {}, "Expiration": {"Days": 7}},
+        {"ID": "legacy", "Status": "Enabled", "Prefix": "v", "Expiration": {"Date": "2030-01-01"}},
+        {"ID": "tagged", "Status": "Enabled", "Filter": {"Tag": {"Key": "tmp", "Value": "1"}}, "Expiration": {"Days": 1}},
+        {"ID": "deep", "Status": "Enabled", "Filter": {"And": {"Prefix": "vault/chunks/"}},
+         "Transitions": [{"Days": 30, "StorageClass": "DEEP_ARCHIVE"}]},
+        {"ID": "ia", "Status": "Enabled", "Filter": {"Prefix": "vault/"},
+         "Transitions": [{"Days": 30, "StorageClass": "STANDARD_IA"}]},
+        {"ID": "old-versions", "Status": "Enabled", "Filter": {}, "NoncurrentVersionExpiration": {"NoncurrentDays": 3}},
+    ]
+    risks = lifecycle_risks(rules, "vault")
+    assert [r.split("'")[1] for r in risks] == ["all", "legacy", "deep"]
+    assert "DEEP_ARCHIVE, which cannot be read without a restore" in risks[2]
+    assert lifecycle_risks(rules, "other") == [lifecycle_risks(rules, "other")[0]]  # only the rule on every key
+
+
+# -- CheckpointManager end to end --------------------------------------------------------
+def _model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(4096, 128), torch.nn.Flatten(), torch.nn.Linear(128 * 4, 256),
+                                torch.nn.ReLU(), torch.nn.Linear(256, 512))
+    model[0].weight.requires_grad_(False)  # frozen: deduplicated across checkpoints
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
+    return model, opt
+
+
+def _train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, step: int) -> None:
+    g = torch.Generator().manual_seed(step)
+    x = torch.randint(0, 4096, (16, 4), generator=g)
+    loss = torch.nn.functional.cross_entropy(model(x), x[:, 0] % 512)
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+
+
+def test_checkpoint_manager_end_to_end_on_s3(rgw: Gateway, s3_url: str) -> None:
+    model, opt = _model()
+    saved = {}
+    with CheckpointManager(s3_url, storage_options=rgw.options(), chunk_size=64 << 10) as mgr:
+        for step in range(1, 5):
+            _train_step(model, opt, step)
+            state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step}
+            handle = mgr.save(step, state, metrics={"step": step})  # asynchronous: returns once staged
+            saved[step] = copy.deepcopy(state)
+            assert handle.wait() is not None
+        assert mgr.steps() == [1, 2, 3, 4]
+        infos = [mgr.info(s) for s in (1, 2, 3, 4)]
+        assert all(i.added_bytes < 0.8 * i.stored_bytes for i in infos[1:]), [(i.added_bytes, i.stored_bytes) for i in infos]
+        assert any("base" in c for c in mgr.manifest(4)["chunks"])  # incremental: XOR deltas against the keyframe
+        assert mgr.verify().ok
+    with CheckpointManager(s3_url, storage_options=rgw.options()) as fresh:  # a new connection reads it all back
+        for step, state in saved.items():
+            assert_same_state(state, fresh.restore(step))
+        fresh.delete(2)
+        fresh.delete(3)
+        plan, result = fresh.gc(grace=0)
+        assert result is not None and result.deleted and plan.bytes > 0
+        assert fresh.steps() == [1, 4]
+        assert_same_state(saved[4], fresh.restore(4))
+        assert_same_state(saved[1], fresh.restore(1))
+        assert fresh.verify().ok
+        with pytest.raises(StepNotFoundError, match="step 2 has no committed checkpoint in s3://"):
+            fresh.restore(2)
