@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import multiprocessing
 import os
 import subprocess
 import sys
@@ -270,6 +271,30 @@ def test_interpreter_exit_reports_a_failed_save_in_the_log(tmp_path: Path) -> No
     assert "a checkpoint save failed before exit: no space left while writing" in done.stderr, done.stderr
     with CheckpointManager(tmp_path / "vault") as mgr:
         assert mgr.steps() == []
+
+
+def _exit_at_once() -> None:
+    """A forked child that does nothing and exits (as a DataLoader worker does at the end of an epoch)."""
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_forked_child_does_not_wait_for_the_parents_save_at_exit(tmp_path: Path) -> None:
+    """multiprocessing children run the threading exit hooks; the parent's save in flight is not theirs to flush."""
+    store = GatedStore(tmp_path / "vault")
+    with manager(store) as mgr:
+        handle = mgr.save(1, Training().state(1))
+        assert store.blocked.wait(10)
+        child = multiprocessing.get_context("fork").Process(target=_exit_at_once)
+        child.start()
+        child.join(30)
+        hung = child.is_alive()
+        if hung:
+            child.kill()
+            child.join()
+        assert not hung and child.exitcode == 0, f"the forked child hung at exit (exit code {child.exitcode})"
+        assert not handle.done()
+        store.gate.set()
+        assert handle.wait().step == 1
 
 
 # -- bounded host memory --------------------------------------------------------------------------------

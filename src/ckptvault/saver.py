@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 import threading
 import warnings
 import weakref
@@ -191,4 +192,15 @@ def _register_exit_flush() -> None:
         register(_flush_at_exit)
 
 
+def _forget_parent_saves() -> None:
+    """In a forked child (e.g. a DataLoader worker): the parent's saves are not ours to flush.
+
+    Their background threads did not fork, so waiting for them at the child's
+    exit (multiprocessing children run the threading exit hooks) would hang.
+    """
+    _LIVE.clear()
+
+
 _register_exit_flush()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_parent_saves)
