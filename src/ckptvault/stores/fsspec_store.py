@@ -101,6 +101,7 @@ class FsspecStore(Store):
                 return
             tmp = self._write_temp(body)
             try:
+                self.fs.makedirs(self.fs._parent(path), exist_ok=True)
                 self.fs.mv(tmp, path)
             except BaseException:
                 self._remove_quietly(tmp)
