@@ -11,6 +11,7 @@ import click
 
 from .. import __version__
 from .common import VaultGroup, configure_logging
+from .copy import cp
 from .demo import demo
 from .diff import diff
 from .inspect import du, ls, show
@@ -35,6 +36,7 @@ Examples:
   ckptvault rm ./ckpts 100 200              delete two checkpoints (then `ckptvault gc`)
   ckptvault prune ./ckpts --keep-last 5     keep the 5 newest (+ latest, pinned); then `ckptvault gc`
   ckptvault gc ./ckpts                      free chunks no checkpoint uses (safe next to training)
+  ckptvault cp ./ckpts s3://bucket/run1     copy to object storage, sending only missing chunks
   ckptvault ls ./ckpts --json | jq '.checkpoints[].step'
   ckptvault demo                            train a small GPT into ./demo-vault, restore it, compare with torch.save
 
@@ -61,5 +63,6 @@ main.add_command(du)
 main.add_command(rm)
 main.add_command(demo)
 main.add_command(diff)
+main.add_command(cp)
 for _command in MAINTENANCE_COMMANDS:  # prune, gc, pin, unpin
     main.add_command(_command)
