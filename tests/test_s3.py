@@ -7,9 +7,12 @@ errors that name what to check, lifecycle warnings), and CheckpointManager end t
 from __future__ import annotations
 
 import copy
+import json
 import logging
 import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -277,3 +280,21 @@ def test_checkpoint_manager_end_to_end_on_s3(rgw: Gateway, s3_url: str) -> None:
         assert fresh.verify().ok
         with pytest.raises(StepNotFoundError, match="step 2 has no committed checkpoint in s3://"):
             fresh.restore(2)
+
+
+# -- the seed's example workflow as one command -------------------------------------------------
+def test_demo_workflow_on_s3(rgw: Gateway, s3_url: str) -> None:
+    """`ckptvault demo --store s3://...`: checkpoints every 2 steps, async saves, fp16 weights with LZ4, retention."""
+    env = {**rgw.env(), "OMP_NUM_THREADS": "1"}
+    args = ["demo", "--store", s3_url, "--steps", "6", "--every", "2", "--codec-rules", "fp16", "--keep-last", "1",
+            "--batch-size", "4", "--repeat", "1", "--no-progress", "--json"]
+    done = subprocess.run([sys.executable, "-m", "ckptvault", *args], capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout)
+    assert report["ok"] and report["check"]["lossy"] > 0 and report["check"]["num_mismatches"] == 0
+    with CheckpointManager(s3_url, storage_options=rgw.options()) as mgr:
+        keyframe = mgr.manifest(6)["keyframe_step"]
+        assert report["vault"] == s3_url and report["steps"] == sorted({keyframe, 6})  # keep-last 1 (+ its keyframe)
+        weights = next(t for t in mgr.manifest(6)["tensors"] if t["path"] == "model.blocks.0.mlp.0.weight")
+        assert weights["lossy"]["codec"] in ("fp16", "bf16") and weights["codec"] == "lz4"
+        assert mgr.verify().ok

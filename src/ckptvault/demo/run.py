@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import shutil
 import statistics
 import subprocess
@@ -25,10 +26,11 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import InvalidArgumentError, VaultError
+from ..maintenance import Retention
 from ..manager import CheckpointManager
-from ..stores import LocalStore
+from ..stores import LocalStore, open_store
 from ..vault import DESCRIPTOR_KEY
-from .check import write_reference
+from .check import STORAGE_OPTIONS_ENV, write_reference
 from .model import num_params
 from .train import TrainConfig, Trainer
 
@@ -58,6 +60,9 @@ class DemoOptions:
     batch_size: int = 16
     seed: int = 0
     repeat: int = 3
+    storage_options: dict[str, Any] | None = None  # for an s3:// (or fsspec) --vault; also given to the check process
+    codec_rules: str | dict[str, str] | None = None  # a preset name ("fp16": the seed workflow) or rules
+    keep_last: int | None = None  # retention after each save (the vault's lifecycle; gc included)
 
 
 @dataclass
@@ -102,8 +107,10 @@ def run_demo(opts: DemoOptions, on_step: OnStep | None = None) -> DemoReport:
     that already holds checkpoints (unless ``resume`` or ``fresh``), DemoError if the check cannot run."""
     _validate(opts)
     if opts.fresh:
-        _remove_vault(opts.vault)
-    with CheckpointManager(opts.vault, codec=opts.codec) as mgr, tempfile.TemporaryDirectory(
+        _remove_vault(opts.vault, opts.storage_options)
+    retention = Retention(keep_last=opts.keep_last) if opts.keep_last else None
+    with CheckpointManager(opts.vault, codec=opts.codec, storage_options=opts.storage_options,
+                           codec_rules=opts.codec_rules, retention=retention) as mgr, tempfile.TemporaryDirectory(
         prefix=".ckptvault-demo-", dir=_scratch_parent(mgr)
     ) as scratch:
         latest = _resume_point(mgr, opts)
@@ -116,7 +123,8 @@ def run_demo(opts: DemoOptions, on_step: OnStep | None = None) -> DemoReport:
                             start_step=trainer.step, final_step=trainer.step, final_loss=float("nan"), train_s=0.0,
                             logical_bytes=0, stored_bytes=0, vault_bytes=0)
         _train(mgr, trainer, opts, report, Path(scratch), on_step)
-        report.check = _check_in_fresh_process(mgr.url, report.final_step, Path(scratch), opts.repeat)
+        report.check = _check_in_fresh_process(mgr.url, report.final_step, Path(scratch), opts.repeat,
+                                               opts.storage_options)
         report.steps = mgr.steps()
         latest = mgr.info(report.final_step)
         report.logical_bytes, report.stored_bytes = latest.logical_bytes, latest.stored_bytes
@@ -134,12 +142,23 @@ def _validate(opts: DemoOptions) -> None:
         raise InvalidArgumentError(f"--minutes must be positive, got {opts.minutes}")
     if opts.resume and opts.fresh:
         raise InvalidArgumentError("--resume and --fresh exclude each other: continue the run, or start over")
-    if "://" in opts.vault and not opts.vault.startswith("file://"):
-        raise InvalidArgumentError(f"the demo restores in a second process, so it needs a local vault, not {opts.vault!r}")
+    if opts.vault.startswith("memory://"):
+        raise InvalidArgumentError(f"the demo restores in a second process, so it needs a local vault or one on "
+                                   f"shared storage (s3://...), not {opts.vault!r}")
 
 
-def _remove_vault(url: str) -> None:
-    """Delete the local vault at ``url`` if there is one; refuse to delete a folder that is not a vault."""
+def _remove_vault(url: str, storage_options: dict[str, Any] | None = None) -> None:
+    """Delete the vault at ``url`` if there is one; refuse to delete a folder that is not a vault."""
+    if "://" in url and not url.startswith("file://"):
+        store = open_store(url, storage_options)
+        try:
+            if store.exists(DESCRIPTOR_KEY):
+                log.info("removing the previous demo vault at %s", url)
+                for info in list(store.list()):
+                    store.delete(info.key)
+        finally:
+            store.close()
+        return
     root = Path(url.removeprefix("file://")).expanduser()
     if not root.exists():
         return
@@ -215,12 +234,14 @@ def _checkpoint(mgr: CheckpointManager, trainer: Trainer, loss: float, report: D
              info.logical_bytes, info.stored_bytes, info.added_bytes, report.save_s[-1], seconds)
 
 
-def _check_in_fresh_process(url: str, step: int, reference: Path, repeat: int) -> dict[str, Any]:
+def _check_in_fresh_process(url: str, step: int, reference: Path, repeat: int,
+                            storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
     """Run ``python -m ckptvault.demo.check`` and return its JSON result (``ok`` says whether it matched)."""
     cmd = [sys.executable, "-m", "ckptvault.demo.check", "--vault", url, "--step", str(step),
            "--reference", str(reference), "--repeat", str(repeat)]
     log.info("restoring step %d in a fresh process", step)
-    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    env = {**os.environ, STORAGE_OPTIONS_ENV: json.dumps(storage_options or {})}  # not argv: it may hold keys
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
     lines = proc.stdout.strip().splitlines()
     if proc.returncode not in (0, 1) or not lines:
         raise DemoError(f"the restore check process exited with {proc.returncode}: {proc.stderr.strip()[-2000:]}")
