@@ -24,10 +24,10 @@ def save(state, url, step: int, **kwargs):  # type: ignore[no-untyped-def]
     """Save ``state`` as ``step`` into the vault at ``url`` and wait until committed.
 
     Keyword arguments are those of :meth:`CheckpointManager.save`, plus the
-    manager's own (``codec``, ``codec_rules``, ``chunk_size``, ``storage_options``).
+    manager's own (``codec``, ``codec_rules``, ``chunk_size``, ``storage_options``, ``on_unsafe``, ``max_flushed``).
     """
-    manager_kwargs = {k: kwargs.pop(k) for k in ("codec", "codec_rules", "chunk_size", "storage_options", "workers")
-                      if k in kwargs}
+    manager_kwargs = {k: kwargs.pop(k) for k in ("codec", "codec_rules", "chunk_size", "storage_options", "workers",
+                                                 "on_unsafe", "max_flushed") if k in kwargs}
     with CheckpointManager(url, **manager_kwargs) as mgr:
         return mgr.save(step, state, **kwargs).wait()
 

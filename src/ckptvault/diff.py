@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from .arrays import itemsize_of, torch_dtype
-from .restore import read_into
+from .restore import LossyReads, is_lossy, read_into
 from .rules import any_match
 from .tree import leaf_paths
 from .vault import Vault
@@ -156,6 +156,8 @@ def _records(manifest: dict[str, Any], patterns: list[str] | None) -> dict[str, 
     """Key path -> (index, tensor record) of every array, in manifest order, filtered by ``patterns``."""
     out = {}
     for index, record in enumerate(manifest["tensors"]):
+        if record["kind"] == "part":  # a lossy tensor's block scales: compared through the tensor they decode
+            continue
         if patterns is None or any_match(record["path"], patterns):
             out[record["path"]] = (index, record)
     return out
@@ -167,9 +169,17 @@ def _numel(record: dict[str, Any]) -> int:
     return math.prod(record["shape"])
 
 
-def _chunk_refs(manifest: dict[str, Any], record: dict[str, Any]) -> list[tuple[str, int, int]]:
-    chunks = manifest["chunks"]
-    return [(chunks[c]["id"], offset, length) for c, offset, length in record["pieces"]]
+def _chunk_refs(manifest: dict[str, Any], record: dict[str, Any]) -> list[Any]:
+    """What the restored value depends on: the record's chunks and, for a lossy one, its codec, scales and keyframe copy."""
+    chunks, lossy = manifest["chunks"], record.get("lossy") or {}
+    pieces = [*record["pieces"], *(p for j in lossy.get("parts", {}).values() for p in manifest["tensors"][j]["pieces"]),
+              *lossy.get("base_pieces", [])]
+    return [(lossy.get("codec"), lossy.get("block"))] + [(chunks[c]["id"], offset, length) for c, offset, length in pieces]
+
+
+def _nbytes(record: dict[str, Any]) -> int:
+    """Bytes of the array as restored (a lossy record's ``nbytes`` is its stored form's)."""
+    return (record.get("lossy") or {}).get("original_nbytes", record["nbytes"])
 
 
 def _added_share(manifest: dict[str, Any], record: dict[str, Any]) -> int:
@@ -182,12 +192,12 @@ def _added_share(manifest: dict[str, Any], record: dict[str, Any]) -> int:
 
 def _only(manifest: dict[str, Any], entry: tuple[int, dict[str, Any]], added: bool) -> OnlyIn:
     record = entry[1]
-    return OnlyIn(record["path"], record["kind"], record["dtype"], record["shape"], record["nbytes"],
+    return OnlyIn(record["path"], record["kind"], record["dtype"], record["shape"], _nbytes(record),
                   _added_share(manifest, record) if added else 0)
 
 
 def _tensor_diff(record: dict[str, Any], status: str, changed: int, max_abs: float | int | None, added: int) -> TensorDiff:
-    return TensorDiff(record["path"], record["kind"], record["dtype"], record["shape"], _numel(record), record["nbytes"],
+    return TensorDiff(record["path"], record["kind"], record["dtype"], record["shape"], _numel(record), _nbytes(record),
                       status, changed, max_abs, added)
 
 
@@ -195,7 +205,7 @@ def _batches(items: list[tuple[str, int, int]], manifest: dict[str, Any], limit:
     batch: list[tuple[str, int, int]] = []
     size = 0
     for item in items:
-        nbytes = manifest["tensors"][item[2]]["nbytes"]
+        nbytes = _nbytes(manifest["tensors"][item[2]])
         if batch and size + nbytes > limit:
             yield batch
             batch, size = [], 0
@@ -208,16 +218,27 @@ def _batches(items: list[tuple[str, int, int]], manifest: dict[str, Any], limit:
 # -- comparing values ----------------------------------------------------------------------------------------
 def _compare_batch(vault: Vault, ma: dict[str, Any], mb: dict[str, Any], batch: list[tuple[str, int, int]],
                    progress: Progress | None) -> list[TensorDiff]:
-    bufs_a = {ia: np.empty(ma["tensors"][ia]["nbytes"], np.uint8) for _p, ia, _ib in batch}
-    bufs_b = {ib: np.empty(mb["tensors"][ib]["nbytes"], np.uint8) for _p, _ia, ib in batch}
-    read_into(vault, ma, {i: memoryview(b) for i, b in bufs_a.items()}, progress)
-    read_into(vault, mb, {i: memoryview(b) for i, b in bufs_b.items()}, progress)
+    bufs_a = _read_values(vault, ma, [ia for _p, ia, _ib in batch], progress)
+    bufs_b = _read_values(vault, mb, [ib for _p, _ia, ib in batch], progress)
     out = []
     for _path, ia, ib in batch:
         record = mb["tensors"][ib]
         changed, max_abs = compare_bytes(bufs_a.pop(ia), bufs_b.pop(ib), record["kind"], record["dtype"])
         out.append(_tensor_diff(record, "changed" if changed else "same", changed, max_abs, _added_share(mb, record)))
     return out
+
+
+def _read_values(vault: Vault, manifest: dict[str, Any], indices: list[int], progress: Progress | None
+                 ) -> dict[int, np.ndarray]:
+    """Record index -> its bytes as restore returns them (a lossy record decoded to its original dtype)."""
+    tensors = manifest["tensors"]
+    lossy = LossyReads(tensors, [i for i in indices if is_lossy(tensors[i])])
+    bufs = {i: np.empty(tensors[i]["nbytes"], np.uint8) for i in indices if not is_lossy(tensors[i])}
+    read_into(vault, manifest, {**{i: memoryview(b) for i, b in bufs.items()}, **lossy.dests()}, progress)
+    for i in indices:
+        if is_lossy(tensors[i]):
+            bufs[i] = lossy.decoded(i).reshape(-1).view(torch.uint8).numpy()
+    return bufs
 
 
 def compare_bytes(a: np.ndarray, b: np.ndarray, kind: str, dtype: str) -> tuple[int, float | int | None]:
