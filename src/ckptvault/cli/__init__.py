@@ -16,6 +16,7 @@ from .demo import demo
 from .diff import diff
 from .inspect import du, ls, show
 from .maintenance import COMMANDS as MAINTENANCE_COMMANDS
+from .presets import presets
 from .remove import rm
 from .verify import verify
 
@@ -38,6 +39,7 @@ Examples:
   ckptvault gc ./ckpts                      free chunks no checkpoint uses (safe next to training)
   ckptvault cp ./ckpts s3://bucket/run1     copy to object storage, sending only missing chunks
   ckptvault ls ./ckpts --json | jq '.checkpoints[].step'
+  ckptvault presets                         named codec rule sets (lossy compression), e.g. moments-compact
   ckptvault demo                            train a small GPT into ./demo-vault, restore it, compare with torch.save
 
 \b
@@ -63,6 +65,7 @@ main.add_command(du)
 main.add_command(rm)
 main.add_command(demo)
 main.add_command(diff)
+main.add_command(presets)
 main.add_command(cp)
 for _command in MAINTENANCE_COMMANDS:  # prune, gc, pin, unpin
     main.add_command(_command)

@@ -97,12 +97,17 @@ def show(url: str, step: int | None, patterns: tuple[str, ...], as_json: bool) -
     A header with the step, time, sizes, metrics and metadata, then one row per
     stored array: KEY PATH, DTYPE (numpy arrays as np.<dtype>), SHAPE, LOGICAL
     bytes, STORED bytes (its share of the compressed chunks it lives in) and
-    CODEC. Python scalars, strings and containers are kept in the manifest's
-    skeleton and are not listed.
+    CODEC (a lossy one as LOSSY+LOSSLESS, e.g. bf16+zstd). When any listed
+    tensor is stored lossily, its measured error follows: MAX ABS ERR, REL L2
+    (relative L2 error) and FLUSHED (non-zero values restored as zero), and
+    notes say where an unsafe lossy codec fell back to a safer one. Python
+    scalars, strings and containers are kept in the manifest's skeleton and
+    are not listed.
 
     \b
     JSON: the ls fields plus "tensors": [{"path", "kind", "dtype", "shape",
-    "nbytes", "stored_bytes", "codec"}]
+    "nbytes", "stored_bytes", "codec", "error", "notes"}]; "error" is null or
+    {"max_abs", "rel_l2", "flushed", "overflow", "nan"}
     """
     with open_manager(url) as mgr:
         info = mgr.info(step)
@@ -115,14 +120,26 @@ def show(url: str, step: int | None, patterns: tuple[str, ...], as_json: bool) -
     click.echo(f"{'tensors':8}  {shown}")
     if tensors:
         click.echo()
-        click.echo(table(("KEY PATH", "DTYPE", "SHAPE", "LOGICAL", "STORED", "CODEC"), [
+        lossy = any(t.error is not None for t in tensors)  # measured error columns only where a codec was lossy
+        click.echo(table(("KEY PATH", "DTYPE", "SHAPE", "LOGICAL", "STORED", "CODEC")
+                         + (("MAX ABS ERR", "REL L2", "FLUSHED") if lossy else ()), [
             (t.path, dtype_label(t.kind, t.dtype), shape_label(t.shape), human_bytes(t.nbytes),
-             human_bytes(t.stored_bytes), t.codec) for t in tensors], "lllrrl"))
+             human_bytes(t.stored_bytes), t.codec) + (_error_cells(t.error) if lossy else ()) for t in tensors],
+            "lllrrlrrr"))
+        for t in tensors:
+            for note in t.notes:
+                click.echo(f"note: {t.path}: {note}")
+
+
+def _error_cells(error: dict[str, float] | None) -> tuple[str, str, str]:
+    if error is None:
+        return ("-", "-", "-")
+    return (f"{error['max_abs']:.3g}", f"{error['rel_l2']:.3g}", percent(error["flushed"], 1))
 
 
 def _tensor_json(t: TensorInfo) -> dict[str, Any]:
     return {"path": t.path, "kind": t.kind, "dtype": t.dtype, "shape": list(t.shape), "nbytes": t.nbytes,
-            "stored_bytes": t.stored_bytes, "codec": t.codec}
+            "stored_bytes": t.stored_bytes, "codec": t.codec, "error": t.error, "notes": list(t.notes)}
 
 
 def _header(info: CheckpointInfo, url: str) -> list[tuple[str, str]]:

@@ -1,0 +1,478 @@
+"""Lossy compression (issue 5): bf16, fp16, block int8 and int8 weight residuals, chosen per tensor by rules.
+
+States come from a real small GPT trained with AdamW; saves go into real local vaults. What restore returns
+is checked three ways: against the exact values (per-element error bounds of each codec), against an
+independent numpy decoding of the bytes the vault stored (restore gives exactly what the manifest
+promises, deltas included), and the manifest's recorded error against the error recomputed here in float64.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import ckptvault
+from ckptvault import CheckpointManager, lossy
+from ckptvault.demo.data import batch, stdlib_bytes
+from ckptvault.demo.model import GPT, GPTConfig
+from ckptvault.diff import diff_steps
+from ckptvault.errors import InvalidArgumentError
+from ckptvault.gc import collect
+from ckptvault.lossy import LossyCodecError
+from ckptvault.restore import read_into
+from ckptvault.rules import CodecRules
+from ckptvault.tree import leaf_paths
+from conftest import assert_same_state, manifest_files
+
+CFG = GPTConfig(seq_len=32, d_model=64, n_layer=2, n_head=2)
+STEPS = 8
+CHUNK = 64 << 10  # the smallest chunks: tensors of the GPT span or share a few, so deltas have chunks to work on
+
+
+@pytest.fixture(scope="module")
+def run() -> list[dict[str, Any]]:
+    """Deep copies of a small GPT + AdamW training state after each of STEPS steps (lr 1e-3: weights move)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a tiny model: more threads only wait for each other on a shared machine
+    try:
+        torch.manual_seed(0)
+        model = GPT(CFG)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        data, gen = stdlib_bytes(1 << 20), torch.Generator().manual_seed(0)
+        states = []
+        for step in range(STEPS):
+            x, y = batch(data, 4, CFG.seq_len, gen)
+            opt.zero_grad(set_to_none=True)
+            model.loss(x, y).backward()
+            opt.step()
+            states.append(copy.deepcopy({"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step}))
+        return states
+    finally:
+        torch.set_num_threads(threads)
+
+
+def leaves(state: Any, prefix: str = "") -> dict[str, torch.Tensor]:
+    """Every tensor of a nested state by dotted key path."""
+    if isinstance(state, torch.Tensor):
+        return {prefix: state}
+    items = state.items() if isinstance(state, dict) else enumerate(state) if isinstance(state, (list, tuple)) else ()
+    out: dict[str, torch.Tensor] = {}
+    for key, value in items:
+        out.update(leaves(value, f"{prefix}.{key}" if prefix else str(key)))
+    return out
+
+
+def save_all(root: Path, states: dict[int, Any], rules: Any, **kwargs: Any) -> CheckpointManager:
+    """Save ``states`` (step -> state) in order into a new vault; returns the open manager (caller closes)."""
+    mgr = CheckpointManager(root, codec_rules=rules, chunk_size=CHUNK, **kwargs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # fallbacks are tested on their own below
+        for step, state in states.items():
+            mgr.save(step, state)
+        mgr.wait()
+    return mgr
+
+
+def records(manifest: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Key path -> tensor record, tied aliases included (``model.head.weight`` is ``model.tok.weight``)."""
+    tensors = manifest["tensors"]
+    return {path: tensors[next(iter(node.values()))] for path, node in leaf_paths(manifest["tree"]).items()
+            if next(iter(node)) in ("tensor", "ndarray")}
+
+
+def codec_of(record: dict[str, Any]) -> str:
+    return (record.get("lossy") or {}).get("codec", "lossless")
+
+
+# -- an independent decoder of what the vault stored ------------------------------------------------------
+def stored_bytes(mgr: CheckpointManager, manifest: dict[str, Any], key: Any, nbytes: int) -> np.ndarray:
+    buf = np.empty(nbytes, np.uint8)
+    read_into(mgr.vault, manifest, {key: memoryview(buf)})
+    return buf
+
+
+def decode_stored(mgr: CheckpointManager, step: int) -> dict[str, np.ndarray]:
+    """float32 values of every lossy float32 tensor of ``step``, decoded with numpy from its stored bytes."""
+    manifest = mgr.manifest(step)
+    tensors = manifest["tensors"]
+    out = {}
+    for i, rec in enumerate(tensors):
+        codec = codec_of(rec)
+        if codec == "lossless" or rec["kind"] == "part":
+            continue
+        assert rec["dtype"] == "float32"
+        data = stored_bytes(mgr, manifest, i, rec["nbytes"])
+        if codec == "bf16":
+            values = (data.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+        elif codec == "fp16":
+            values = data.view(np.float16).astype(np.float32)
+        else:
+            j = rec["lossy"]["parts"]["scale"]
+            scale = stored_bytes(mgr, manifest, j, tensors[j]["nbytes"]).view(np.float32)
+            values = data.view(np.int8).astype(np.float32) * np.repeat(scale, rec["lossy"]["block"])[: data.size]
+            if codec == "residual-int8":
+                values = stored_bytes(mgr, manifest, ("base", i), 4 * data.size).view(np.float32) + values
+        out[rec["path"]] = values.reshape(rec["shape"])
+    return out
+
+
+def errors_of(exact: torch.Tensor, restored: torch.Tensor) -> dict[str, float]:
+    """The lossy error statistics, recomputed in float64 with numpy."""
+    a, b = exact.double().numpy().ravel(), restored.double().numpy().ravel()
+    d = b - a
+    nonzero = a != 0
+    return {"max_abs": float(np.abs(d).max()) if d.size else 0.0,
+            "rel_l2": float(np.linalg.norm(d) / np.linalg.norm(a)) if np.any(nonzero) else float(np.linalg.norm(d)),
+            "flushed": float((nonzero & (b == 0)).sum() / max(int(nonzero.sum()), 1))}
+
+
+def int8_bound(x: np.ndarray, block: int) -> np.ndarray:
+    """Per element: half the quantisation step of its block (absmax / 127 / 2), in float64."""
+    flat = x.astype(np.float64).ravel()
+    padded = np.pad(np.abs(flat), (0, -flat.size % block)).reshape(-1, block)
+    return np.repeat(padded.max(axis=1) / 127 / 2, block)[: flat.size]
+
+
+# -- each codec's error bound -----------------------------------------------------------------------------
+def test_bf16_is_within_half_an_ulp_and_restores_float32(run: list[dict[str, Any]], tmp_path: Path) -> None:
+    with save_all(tmp_path / "v", {3: run[3]}, {"*": "bf16"}) as mgr:
+        restored = mgr.restore(3)
+        manifest = mgr.manifest(3)
+    exact, got = leaves(run[3]), leaves(restored)
+    assert restored["step"] == 3
+    for path, x in exact.items():
+        r = got[path]
+        assert r.dtype == x.dtype == torch.float32 and r.shape == x.shape, path
+        assert codec_of(records(manifest)[path]) == "bf16", path
+        a, b = x.double(), r.double()
+        normal = a.abs() >= 2.0**-126
+        assert torch.all((b - a).abs()[normal] <= 2.0**-8 * a.abs()[normal]), path
+        assert torch.all(b[a == 0] == 0), path
+    assert (exact["model.tok.weight"] != got["model.tok.weight"]).any(), "bf16 changed nothing: the test could not fail"
+
+
+def test_fp16_error_bound_on_weights_and_exact_optimizer(run: list[dict[str, Any]], tmp_path: Path) -> None:
+    with save_all(tmp_path / "v", {3: run[3]}, {"model.*": "fp16"}) as mgr:
+        restored = mgr.restore(3)
+    assert_same_state(run[3]["optimizer"], restored["optimizer"])
+    for path, x in leaves(run[3]["model"]).items():
+        r = restored["model"][path]
+        assert r.dtype == torch.float32 and r.shape == x.shape
+        a, b = x.double(), r.double()
+        normal = a.abs() >= 2.0**-14
+        assert torch.all((b - a).abs()[normal] <= 2.0**-11 * a.abs()[normal]), path
+        assert torch.all((b - a).abs()[~normal] <= 2.0**-25), path  # fp16 subnormals: spacing 2^-24
+
+
+@pytest.mark.parametrize("block", [64, 100])  # 100 divides no tensor size here: partial last blocks
+def test_int8_block_error_is_at_most_half_a_step(run: list[dict[str, Any]], tmp_path: Path, block: int) -> None:
+    with save_all(tmp_path / "v", {3: run[3]}, {"*": f"int8-block:{block}"}, max_flushed=1.0) as mgr:
+        restored, manifest = mgr.restore(3), mgr.manifest(3)
+    for path, x in leaves(run[3]).items():
+        rec = records(manifest)[path]
+        assert (codec_of(rec), rec["lossy"]["block"], rec["lossy"]["stored_dtype"]) == ("int8-block", block, "int8")
+        a, b = x.double().numpy().ravel(), restored_leaf(restored, path).double().numpy().ravel()
+        assert np.all(np.abs(b - a) <= int8_bound(a, block) * (1 + 1e-5) + 2.0**-22 * np.abs(a)), path
+
+
+def restored_leaf(state: Any, path: str) -> torch.Tensor:
+    return leaves(state)[path]
+
+
+@pytest.mark.parametrize("codec", ["bf16", "fp16", "int8-block:64", "residual-int8:64"])
+def test_recorded_errors_match_the_restored_tensors(run: list[dict[str, Any]], tmp_path: Path, codec: str) -> None:
+    states = {0: run[0], 5: run[5]}  # step 0 is the keyframe a residual is against
+    with save_all(tmp_path / "v", states, {"model.*": codec}, max_flushed=1.0) as mgr:
+        restored, manifest, info = mgr.restore(5), mgr.manifest(5), mgr.info(5)
+    by_path = {t.path: t for t in info.tensors}
+    checked = 0
+    for path, x in leaves(run[5]["model"]).items():
+        path = f"model.{path}"
+        rec = records(manifest)[path]
+        assert codec_of(rec) == codec.split(":")[0], path
+        recorded, mine = rec["lossy"]["error"], errors_of(x, restored_leaf(restored, path))
+        assert recorded["max_abs"] == pytest.approx(mine["max_abs"], rel=1e-6, abs=1e-12), path
+        assert recorded["rel_l2"] == pytest.approx(mine["rel_l2"], rel=1e-3, abs=1e-12), path
+        assert recorded["flushed"] == pytest.approx(mine["flushed"], abs=1e-12), path
+        assert (recorded["overflow"], recorded["nan"]) == (0, 0)
+        assert by_path[rec["path"]].error == recorded and by_path[rec["path"]].codec.startswith(codec.split(":")[0])
+        checked += mine["max_abs"] > 0
+    assert checked, "no tensor changed: the comparison could not fail"
+
+
+# -- residuals ------------------------------------------------------------------------------------------
+def test_residual_error_follows_movement_and_never_accumulates(run: list[dict[str, Any]], tmp_path: Path) -> None:
+    """Every checkpoint is int8(w_j - w_0) against the exact keyframe: its error is bounded by its own
+    quantisation step however many checkpoints lie between it and the keyframe."""
+    rules = {"model.*": "residual-int8:64"}
+    with save_all(tmp_path / "v", dict(enumerate(run)), rules, keyframe_every=STEPS) as mgr:
+        assert_same_state(run[0], mgr.restore(0))  # the keyframe holds the weights exactly
+        exact0 = {p: t.double().numpy().ravel() for p, t in leaves(run[0]["model"]).items()}
+        for j in (7, 1, 4, 7, 3):  # out of order and repeated: each restore stands alone
+            manifest, restored = mgr.manifest(j), mgr.restore(j)
+            assert_same_state(run[j]["optimizer"], restored["optimizer"])
+            worst = 0.0
+            for path, x in leaves(run[j]["model"]).items():
+                rec = records(manifest)[f"model.{path}"]
+                assert (codec_of(rec), rec["lossy"]["base_step"]) == ("residual-int8", 0)
+                a, b = x.double().numpy().ravel(), restored["model"][path].double().numpy().ravel()
+                moved = a - exact0[path]
+                bound = int8_bound(moved, 64) * (1 + 1e-5) + 2.0**-23 * (np.abs(a) + np.abs(moved))
+                assert np.all(np.abs(b - a) <= bound), (j, path)
+                if np.abs(moved).max() > 0:
+                    worst = max(worst, np.abs(b - a).max() / np.abs(moved).max())
+            assert 0 < worst <= 1 / 254 + 1e-4, j  # relative to the movement: the same at j=1 and j=7
+
+
+def test_residual_is_much_smaller_than_int8_of_the_weights(run: list[dict[str, Any]], tmp_path: Path) -> None:
+    with save_all(tmp_path / "r", {0: run[0], 1: run[1]}, {"model.*": "residual-int8:64"}) as mgr:
+        residual = records(mgr.manifest(1))
+        exact_bytes = sum(t.stored_bytes for t in mgr.info(0).tensors if t.path.startswith("model."))
+        residual_bytes = sum(t.stored_bytes for t in mgr.info(1).tensors if t.path.startswith("model."))
+    with save_all(tmp_path / "q", {1: run[1]}, {"model.*": "int8-block:64"}, max_flushed=1.0) as mgr:
+        direct = records(mgr.manifest(1))
+    matrices = [p for p, r in residual.items() if p.startswith("model.") and len(r["shape"]) == 2]
+    assert len(matrices) > 8
+    for path in matrices:  # (a LayerNorm bias starts at 0: its movement is its value, and the gain is small)
+        assert residual[path]["lossy"]["error"]["max_abs"] < direct[path]["lossy"]["error"]["max_abs"] / 10, path
+    assert residual_bytes < 0.35 * exact_bytes
+
+
+def test_residuals_survive_deleting_the_keyframe_and_gc(run: list[dict[str, Any]], tmp_path: Path) -> None:
+    with save_all(tmp_path / "v", {0: run[0], 1: run[1], 2: run[2]}, {"model.*": "residual-int8"}) as mgr:
+        before = mgr.restore(2)
+        mgr.delete(0)
+        plan, _result = collect(mgr.vault, grace=0)
+        assert plan.candidates, "gc found nothing to delete: the keyframe's own chunks should have gone"
+        assert_same_state(before, mgr.restore(2))
+        assert mgr.verify(2).ok
+        mgr.save(3, run[3]).wait()  # no keyframe left: a new one, stored exactly
+        assert "lossy" not in records(mgr.manifest(3))["model.tok.weight"]
+
+
+# -- restore: dtype, shape, into=, keys= -------------------------------------------------------------------
+def test_restore_into_live_model_and_optimizer_in_place(run: list[dict[str, Any]], tmp_path: Path) -> None:
+    with save_all(tmp_path / "v", {0: run[0], 4: run[4]}, "residual") as mgr:
+        expected = mgr.restore(4)
+        torch.manual_seed(1)
+        model = GPT(CFG)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        model.loss(*batch(stdlib_bytes(1 << 20), 2, CFG.seq_len, torch.Generator().manual_seed(3))).backward()
+        opt.step()  # creates the optimizer state to restore into
+        weight = model.blocks[0].mlp[0].weight
+        pointer = weight.data_ptr()
+        mgr.restore(4, into={"model": model.state_dict(), "optimizer": opt.state_dict()})
+        part = mgr.restore(4, keys=["optimizer.state.0", "model.ln_f.weight"])
+    assert weight.data_ptr() == pointer and weight.dtype == torch.float32
+    assert_same_state(expected["model"], model.state_dict())
+    assert_same_state(expected["optimizer"]["state"], opt.state_dict()["state"])
+    assert_same_state(expected["optimizer"]["state"][0], part["optimizer"]["state"][0])
+    assert_same_state(expected["model"]["ln_f.weight"], part["model"]["ln_f.weight"])
+    assert not torch.equal(expected["model"]["blocks.0.mlp.0.weight"], run[4]["model"]["blocks.0.mlp.0.weight"])
+
+
+# -- safety -------------------------------------------------------------------------------------------------
+def test_fp16_flushing_adam_second_moments_falls_back_to_bf16(run: list[dict[str, Any]], tmp_path: Path) -> None:
+    with CheckpointManager(tmp_path / "v", codec_rules={"*exp_avg_sq": "fp16"}) as mgr:
+        with pytest.warns(RuntimeWarning, match=r"fp16 on 'optimizer\.state\.\d+\.exp_avg_sq' is unsafe: "
+                                                r"[\d.]+% of non-zero values flushed to zero \(limit 5\.0%\); fell back to bf16"):
+            mgr.save(3, run[3]).wait()
+        rec = records(mgr.manifest(3))["optimizer.state.0.exp_avg_sq"]
+        info = {t.path: t for t in mgr.info(3).tensors}["optimizer.state.0.exp_avg_sq"]
+        restored = mgr.restore(3)["optimizer"]["state"][0]["exp_avg_sq"]
+    exact = run[3]["optimizer"]["state"][0]["exp_avg_sq"]
+    assert exact.to(torch.float16).eq(0).logical_and(exact.ne(0)).float().mean() > 0.05, "fp16 would not flush"
+    assert codec_of(rec) == "bf16" and info.codec == "bf16+zstd"
+    assert "fell back to bf16" in rec["lossy"]["notes"][0] and info.notes == tuple(rec["lossy"]["notes"])
+    assert errors_of(exact, restored)["flushed"] == 0.0 and rec["lossy"]["error"]["flushed"] == 0.0
+
+
+def test_fp16_overflow_falls_back(tmp_path: Path) -> None:
+    state = {"big": torch.tensor([1e5, -7e4, 1.0, 3.0]), "fine": torch.tensor([1.0, 2.0])}
+    with CheckpointManager(tmp_path / "v", codec_rules={"*": "fp16"}) as mgr:
+        with pytest.warns(RuntimeWarning, match=r"fp16 on 'big' is unsafe: 2 values overflowed to inf; fell back to bf16"):
+            mgr.save(1, state).wait()
+        restored, manifest = mgr.restore(1), mgr.manifest(1)
+    assert torch.isfinite(restored["big"]).all() and restored["big"][0] == pytest.approx(1e5, rel=2**-8)
+    assert (codec_of(records(manifest)["big"]), codec_of(records(manifest)["fine"])) == ("bf16", "fp16")
+
+
+def test_int8_flushing_falls_back_and_max_flushed_decides(tmp_path: Path) -> None:
+    values = torch.full((256,), 1e-6)
+    values[0] = 1.0  # one large value per block: every small one rounds to zero
+    with CheckpointManager(tmp_path / "a", codec_rules={"*": "int8-block"}) as mgr:
+        with pytest.warns(RuntimeWarning, match=r"int8-block:256 on 'x' is unsafe: 99\.6% of non-zero values flushed"):
+            mgr.save(1, {"x": values}).wait()
+        assert codec_of(records(mgr.manifest(1))["x"]) == "bf16"
+    with CheckpointManager(tmp_path / "b", codec_rules={"*": "int8-block"}, max_flushed=1.0) as mgr:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            mgr.save(1, {"x": values}).wait()
+        assert codec_of(records(mgr.manifest(1))["x"]) == "int8-block"
+        assert (mgr.restore(1)["x"][1:] == 0).all()
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_on_unsafe_fail_raises_with_the_path_and_commits_nothing(run: list[dict[str, Any]], tmp_path: Path,
+                                                                 async_save: bool) -> None:
+    root = tmp_path / "v"
+    match = r"fp16 on 'optimizer\.state\.0\.exp_avg_sq' is unsafe: .* flushed to zero .*; choose a safer codec"
+    with CheckpointManager(root, codec_rules={"*exp_avg_sq": "fp16"}, on_unsafe="fail", async_save=async_save) as mgr:
+        with pytest.raises(LossyCodecError, match=match) as caught:
+            mgr.save(3, run[3]).wait()
+        assert isinstance(caught.value, ValueError)
+        assert mgr.steps() == []
+    assert manifest_files(root) == []
+
+
+def test_on_unsafe_keep_keeps_and_warns(run: list[dict[str, Any]], tmp_path: Path) -> None:
+    with CheckpointManager(tmp_path / "v", codec_rules={"*exp_avg_sq": "fp16"}, on_unsafe="keep") as mgr:
+        with pytest.warns(RuntimeWarning, match=r"exp_avg_sq' is unsafe: .*; kept because on_unsafe='keep'"):
+            mgr.save(3, run[3]).wait()
+        rec = records(mgr.manifest(3))["optimizer.state.0.exp_avg_sq"]
+        restored = mgr.restore(3)["optimizer"]["state"][0]["exp_avg_sq"]
+    exact = run[3]["optimizer"]["state"][0]["exp_avg_sq"]
+    assert codec_of(rec) == "fp16" and "kept because" in rec["lossy"]["notes"][0]
+    flushed = errors_of(exact, restored)["flushed"]
+    assert flushed > 0.05 and rec["lossy"]["error"]["flushed"] == pytest.approx(flushed)
+
+
+def test_bad_safety_settings_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(InvalidArgumentError, match=r"on_unsafe must be one of \('fallback', 'fail', 'keep'\), got 'ignore'"):
+        CheckpointManager(tmp_path / "v", on_unsafe="ignore")
+    with pytest.raises(InvalidArgumentError, match=r"max_flushed must be within \[0, 1\], got 2"):
+        CheckpointManager(tmp_path / "v", max_flushed=2)
+
+
+def test_non_float_and_numpy_values_stay_exact_under_lossy_rules(tmp_path: Path) -> None:
+    state = {"ids": torch.arange(1000, dtype=torch.int64), "mask": torch.rand(300) > 0.5,
+             "half": torch.randn(500).half(), "np": np.random.default_rng(0).standard_normal(400).astype(np.float32),
+             "wide": torch.randn(500, dtype=torch.float64)}
+    with CheckpointManager(tmp_path / "v", codec_rules={"half": "bf16", "*": "int8-block"}, max_flushed=1.0) as mgr:
+        mgr.save(1, state).wait()
+        restored, manifest = mgr.restore(1), mgr.manifest(1)
+    for key in ("ids", "mask", "half", "np"):  # bf16 does not shrink float16; int8 needs a float tensor
+        assert codec_of(records(manifest)[key]) == "lossless" and records(manifest)[key]["codec"] == "zstd", key
+        assert_same_state(state[key], restored[key])
+    assert codec_of(records(manifest)["wide"]) == "int8-block" and restored["wide"].dtype == torch.float64
+
+
+# -- rules and presets ------------------------------------------------------------------------------------
+def test_rules_first_match_wins_and_dtype_filters(tmp_path: Path) -> None:
+    rules = CodecRules([("model.*", "bf16"), ("model.w", "fp16"), ("*@float64", "int8-block:32"), ("*", "lz4")], "zstd")
+    assert [rules.codec_for("model.w", "float32"), rules.codec_for("x", "float64"), rules.codec_for("x", "float32")] == [
+        "bf16", "int8-block:32", "lz4"]
+    state = {"model": {"w": torch.randn(64)}, "a": torch.randn(64, dtype=torch.float64), "b": torch.randn(64)}
+    with CheckpointManager(tmp_path / "v", codec_rules={"model": "fp16", "*@float64": "bf16", "*@float32": "lossless"}) as mgr:
+        mgr.save(1, state).wait()
+        got = {p: (codec_of(r), r["codec"]) for p, r in records(mgr.manifest(1)).items()}
+    assert got == {"model.w": ("fp16", "zstd"), "a": ("bf16", "zstd"), "b": ("lossless", "zstd")}
+
+
+@pytest.mark.parametrize("codec", ["int8", "bf16:4", "int8-block:4", "fp16+brotli", "residual", "int8-block:x"])
+def test_bad_codec_names_in_rules_are_refused(tmp_path: Path, codec: str) -> None:
+    with pytest.raises(InvalidArgumentError, match=r"unknown codec|takes no parameter|block size must be 8\.\.1048576"):
+        CheckpointManager(tmp_path / "v", codec_rules={"*": codec})
+
+
+# -- lossy and incremental together -------------------------------------------------------------------------
+def test_lossy_and_deltas_compose_restore_gives_what_the_manifest_promises(run: list[dict[str, Any]],
+                                                                           tmp_path: Path) -> None:
+    with save_all(tmp_path / "v", dict(enumerate(run)), "moments-compact", keyframe_every=STEPS) as mgr:
+        delta_lossy = 0
+        for step in range(STEPS):
+            manifest, restored = mgr.manifest(step), mgr.restore(step)
+            decoded = decode_stored(mgr, step)
+            got = leaves(restored)
+            for path, exact in leaves(run[step]).items():
+                rec = records(manifest)[path]
+                if codec_of(rec) == "lossless":
+                    assert_same_state(exact, got[path], path)
+                    continue
+                assert torch.equal(got[path], torch.from_numpy(decoded[path])), (step, path)
+                assert all(math.isfinite(v) for v in rec["lossy"]["error"].values()), (step, path)
+                chunks = manifest["chunks"]
+                delta_lossy += any(chunks[c].get("base") for c, _o, _n in rec["pieces"])
+            assert {codec_of(r) for p, r in records(manifest).items() if p.endswith("exp_avg_sq")} == {"bf16"}
+            assert "int8-block" in {codec_of(r) for p, r in records(manifest).items() if p.endswith("exp_avg")}
+        assert delta_lossy, "no lossy tensor was stored as a delta: the composition was not exercised"
+
+
+def test_diff_compares_decoded_values(run: list[dict[str, Any]], tmp_path: Path) -> None:
+    with save_all(tmp_path / "v", {1: run[1], 2: run[2]}, "moments-compact") as mgr:
+        a, b = leaves(mgr.restore(1)), leaves(mgr.restore(2))
+        result = diff_steps(mgr.vault, 1, 2)
+    by_path = {t.path: t for t in result.tensors}
+    assert not any("#" in p for p in by_path), "block scales are not tensors of the checkpoint"
+    for path in ("optimizer.state.0.exp_avg", "optimizer.state.0.exp_avg_sq", "model.tok.weight"):
+        t = by_path[path]
+        assert t.max_abs_diff == pytest.approx(float((b[path].double() - a[path].double()).abs().max()), rel=1e-6)
+        assert t.changed == int((b[path] != a[path]).sum()) and t.nbytes == a[path].numel() * 4
+
+
+# -- the fast measurement equals the reference ----------------------------------------------------------------
+def test_fast_measurement_equals_the_reference() -> None:
+    gen = torch.Generator().manual_seed(0)
+    cases = {
+        "zeros and -0": torch.where(torch.rand(3 << 19, generator=gen) < 0.3, torch.tensor(-0.0),
+                                    torch.randn(3 << 19, generator=gen)),
+        "tiny negatives": -torch.rand(70_000, generator=gen) * 1e-9,
+        "below float32 square range": torch.rand(5000, generator=gen) * 1e-30,
+        "fp16 overflow": torch.tensor([7e4, -1e5, 1.0] * 100),
+        "inf in a block": torch.tensor([1.0, float("inf"), -2.0] * 100),
+        "0-d": torch.tensor(3.25),
+    }
+    for name, t in cases.items():
+        for spec in (lossy.LossySpec("bf16"), lossy.LossySpec("fp16"), lossy.LossySpec("int8-block", 64)):
+            fast = lossy.encode(t, spec).error
+            reference = lossy.measure(t, lossy.decode(spec, lossy.encode(t, spec).parts, t.dtype, list(t.shape)))
+            assert fast.keys() == reference.keys()
+            for key, value in reference.items():
+                assert fast[key] == pytest.approx(value, rel=1e-4, nan_ok=True), (name, spec, key)
+    assert lossy.encode(cases["fp16 overflow"], lossy.LossySpec("fp16")).error["overflow"] == 200
+    assert lossy.encode(cases["inf in a block"], lossy.LossySpec("int8-block", 64)).error["nan"] > 0
+    assert lossy.encode(cases["tiny negatives"], lossy.LossySpec("fp16")).error["flushed"] > 0.9
+
+
+# -- entry points -------------------------------------------------------------------------------------------
+def test_top_level_save_takes_presets_and_safety(run: list[dict[str, Any]], tmp_path: Path) -> None:
+    with pytest.raises(LossyCodecError, match="exp_avg_sq"):
+        ckptvault.save(run[3], tmp_path / "a", 3, codec_rules={"*exp_avg_sq": "fp16"}, on_unsafe="fail")
+    info = ckptvault.save(run[3], tmp_path / "b", 3, codec_rules="moments-compact")
+    assert {t.codec for t in info.tensors if t.path.endswith("exp_avg_sq")} == {"bf16+zstd"}
+    assert ckptvault.load(tmp_path / "b")["model"]["tok.weight"].equal(run[3]["model"]["tok.weight"])
+
+
+def test_show_prints_codec_error_and_fallback_notes(run: list[dict[str, Any]], tmp_path: Path) -> None:
+    root = tmp_path / "v"
+    save_all(root, {3: run[3]}, {"*exp_avg_sq": "fp16", "*exp_avg": "int8-block:64"}).close()
+    text = cli("show", root, "-k", "optimizer.state.0")
+    assert text.returncode == 0, text.stderr
+    header = next(line for line in text.stdout.splitlines() if line.startswith("KEY PATH"))
+    assert "CODEC" in header and "MAX ABS ERR" in header and "REL L2" in header and header.endswith("FLUSHED")
+    row = next(line for line in text.stdout.splitlines() if line.startswith("optimizer.state.0.exp_avg "))
+    assert "int8-block:64+zstd" in row and row.rstrip().endswith("%")
+    assert ("note: optimizer.state.0.exp_avg_sq: fp16 on 'optimizer.state.0.exp_avg_sq' is unsafe:" in text.stdout
+            and "fell back to bf16" in text.stdout)
+    as_json = cli("show", root, "--json")
+    tensors = {t["path"]: t for t in json.loads(as_json.stdout)["tensors"]}
+    with CheckpointManager(root) as mgr:
+        recs = records(mgr.manifest(3))
+    assert tensors["optimizer.state.0.exp_avg_sq"]["codec"] == "bf16+zstd"
+    assert tensors["optimizer.state.0.exp_avg_sq"]["notes"] == recs["optimizer.state.0.exp_avg_sq"]["lossy"]["notes"]
+    assert tensors["optimizer.state.0.exp_avg"]["error"] == recs["optimizer.state.0.exp_avg"]["lossy"]["error"]
+    assert tensors["model.tok.weight"]["error"] is None and tensors["model.tok.weight"]["notes"] == []
+
+
+def cli(*args: object) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "ckptvault", *map(str, args)], capture_output=True, text=True, timeout=120)
