@@ -143,6 +143,8 @@ def measure(name: str, size: str, warmup: int, runs: int, work: Path, cold: bool
             "restore_keyframe_s": times[f"restore keyframe ({gap})"].median,
             "restore_delta_s": times[f"restore delta {gap}"].median, "restore_ratio": restore_ratio,
             "restore_met": restore_ratio <= RESTORE_TARGET,
+            "restore_cpu_keyframe_s": times[f"restore keyframe ({gap})"].cpu_median,
+            "restore_cpu_delta_s": times[f"restore delta {gap}"].cpu_median,
         })
     return {"workload": name, "state_bytes": state_nbytes(states[0]), "prepare_s": prepared, "facts": _jsonable(facts),
             "rows": rows, "torch_load_copy_s": times["torch.load + copy"].median,
@@ -158,18 +160,20 @@ def _jsonable(value: Any) -> Any:
 def report(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     lines = [
         "| workload | gap | torch.save MB | keyframe / torch.save | delta / torch.save | target | bytes | "
-        "save s: torch / keyframe / delta | restore s: keyframe / delta (ratio) | restore <= 1.5x |",
-        "|---|---:|---:|---:|---:|---:|---|---|---|---|",
+        "save s: torch / keyframe / delta | restore s: keyframe / delta (ratio) | restore <= 1.5x | restore CPU s (ratio) |",
+        "|---|---:|---:|---:|---:|---:|---|---|---|---|---|",
     ]
     for r in results:
         for row in r["rows"]:
-            verdict = "met" if row["bytes_met"] else f"missed by {(row['delta_ratio'] / row['target'] - 1) * 100:.0f}%"
+            verdict = "met" if row["bytes_met"] else f"missed by {(row['delta_ratio'] / row['target'] - 1) * 100:.1f}%"
             lines.append(
                 f"| {r['workload']} | {row['gap']} | {row['torch_save_bytes'] / 1e6:.1f} | {row['keyframe_ratio']:.3f} "
-                f"| {row['delta_ratio']:.3f} | <= {row['target']:.3f} | {verdict} "
+                f"| {row['delta_ratio']:.4f} | <= {row['target']:.3f} | {verdict} "
                 f"| {row['torch_save_s']:.2f} / {row['save_keyframe_s']:.2f} / {row['save_delta_s']:.2f} "
                 f"| {row['restore_keyframe_s']:.2f} / {row['restore_delta_s']:.2f} ({row['restore_ratio']:.2f}x) "
-                f"| {'met' if row['restore_met'] else 'missed'} |")
+                f"| {'met' if row['restore_met'] else 'missed'} "
+                f"| {row['restore_cpu_keyframe_s']:.2f} / {row['restore_cpu_delta_s']:.2f} "
+                f"({row['restore_cpu_delta_s'] / row['restore_cpu_keyframe_s']:.2f}x) |")
     lines += ["", "| workload | gap | delta chunks / full chunks written / reused | target basis |", "|---|---:|---|---|"]
     for r in results:
         for row in r["rows"]:
@@ -189,7 +193,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=wi.WARMUP, help="training steps before the keyframe")
     parser.add_argument("--warm", action="store_true", help="do not drop the page cache before each operation")
     parser.add_argument("--work", type=Path, default=OUT_DIR / "incremental", help="scratch directory")
+    parser.add_argument("--from-json", type=Path, help="only print the markdown of an earlier run's results JSON")
     args = parser.parse_args(argv)
+    if args.from_json:
+        saved = json.loads(args.from_json.read_text())
+        print(report(saved["results"], saved["meta"]))
+        return 0
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
     cold = not args.warm and drop_caches()
