@@ -123,6 +123,7 @@ def encode(t: torch.Tensor, spec: LossySpec, base: torch.Tensor | None = None) -
     The error is that of ``decode`` of the parts against ``t``: float32 tensors are measured block by
     block in scratch buffers (:func:`_measure_parts`), others through a full decode and :func:`measure`.
     """
+    base = base if spec.kind == "residual-int8" else None  # only a residual has a base
     if spec.kind == "bf16":
         parts = {"q": t.to(torch.bfloat16)}
     elif spec.kind == "fp16":
@@ -240,13 +241,14 @@ class _Totals:
         lo, hi = (float(v) for v in torch.aminmax(diff))
         err = float(torch.dot(diff.mul_(scale), diff)) / scale**2
         ref = float(torch.dot(torch.mul(a, scale, out=squares), squares)) / scale**2
-        nonzero = a.numel() - _zeros(a, squares)
+        zeros = _zeros(b, squares)
+        exact_zeros = keeps_zeros and not zeros  # then a has no zeros either: no need to look
+        nonzero = a.numel() - (0 if exact_zeros else _zeros(a, squares))
         if not all(math.isfinite(v) for v in (lo, hi, err, ref)) or (ref == 0 and nonzero):
             self._merge(_measure_sums(a, b))
             return
         self.max_abs = max(self.max_abs, -lo, hi)
         self.err_sq, self.ref_sq, self.nonzero = self.err_sq + err, self.ref_sq + ref, self.nonzero + nonzero
-        zeros = _zeros(b, squares)
         if not zeros:
             return
         if keeps_zeros:
