@@ -21,7 +21,7 @@ Three parts (``--parts``):
   continuation on other data orders (two seeds). Compared: eval loss on 8 fixed held-out batches every
   ``--eval-every`` steps, and the training loss in 10-step means.
 
-Results: stdout (markdown) and ``bench/out/fidelity-results[-SIZE].{json,md}``.
+Results: stdout (markdown) and ``bench/out/fidelity-results[-SIZE][-TAG].{json,md}``.
 """
 
 from __future__ import annotations
@@ -315,6 +315,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=50, help="fidelity: steps trained after the restore")
     parser.add_argument("--eval-every", type=int, default=10)
     parser.add_argument("--work", type=Path, default=OUT_DIR / "fidelity", help="scratch directory")
+    parser.add_argument("--tag", default="", help="suffix of the result files (e.g. when running one part again)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     parts = set(args.parts.split(","))
@@ -336,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
     meta["load_after"] = [round(x, 1) for x in os.getloadavg()]
     text = report(results, meta)
     print(text)
-    suffix = "" if args.size == "full" else f"-{args.size}"
+    suffix = ("" if args.size == "full" else f"-{args.size}") + (f"-{args.tag}" if args.tag else "")
     (OUT_DIR / f"fidelity-results{suffix}.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     (OUT_DIR / f"fidelity-results{suffix}.md").write_text(text + "\n")
     shutil.rmtree(work, ignore_errors=True)

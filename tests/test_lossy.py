@@ -284,8 +284,8 @@ def test_restore_into_live_model_and_optimizer_in_place(run: list[dict[str, Any]
 # -- safety -------------------------------------------------------------------------------------------------
 def test_fp16_flushing_adam_second_moments_falls_back_to_bf16(run: list[dict[str, Any]], tmp_path: Path) -> None:
     with CheckpointManager(tmp_path / "v", codec_rules={"*exp_avg_sq": "fp16"}) as mgr:
-        with pytest.warns(RuntimeWarning, match=r"fp16 on 'optimizer\.state\.\d+\.exp_avg_sq' is unsafe: "
-                                                r"[\d.]+% of non-zero values flushed to zero \(limit 5\.0%\); fell back to bf16"):
+        with pytest.warns(RuntimeWarning, match=r"fp16 on 'optimizer\.state\.\d+\.exp_avg_sq' is unsafe: [\d.]+% of "
+                                                r"non-zero values flushed to zero \(limit 5\.0%.*\); fell back to bf16"):
             mgr.save(3, run[3]).wait()
         rec = records(mgr.manifest(3))["optimizer.state.0.exp_avg_sq"]
         info = {t.path: t for t in mgr.info(3).tensors}["optimizer.state.0.exp_avg_sq"]
@@ -442,6 +442,22 @@ def test_fast_measurement_equals_the_reference() -> None:
     assert lossy.encode(cases["fp16 overflow"], lossy.LossySpec("fp16")).error["overflow"] == 200
     assert lossy.encode(cases["inf in a block"], lossy.LossySpec("int8-block", 64)).error["nan"] > 0
     assert lossy.encode(cases["tiny negatives"], lossy.LossySpec("fp16")).error["flushed"] > 0.9
+
+
+def test_a_certainly_unsafe_result_is_not_measured_to_the_end() -> None:
+    """With fallback or fail, measuring stops once the result is certainly unsafe; with keep it never stops."""
+    tiny = torch.rand(3 << 20, generator=torch.Generator().manual_seed(0)) * 1e-9  # fp16 flushes all of it
+    encoded, notes = lossy.encode_safely("m", tiny, lossy.LossySpec("fp16"), lossy.SafetyPolicy())
+    assert encoded is not None and encoded.spec.kind == "bf16" and "partial" not in encoded.error
+    assert notes == ["fp16 on 'm' is unsafe: 100.0% of non-zero values flushed to zero (limit 5.0%; measured on part "
+                     "of the tensor); fell back to bf16"]
+    big = torch.ones(3 << 20)
+    big[-1] = 1e5
+    with pytest.raises(LossyCodecError, match=r"fp16 on 'b' is unsafe: 1 values overflowed to inf"):
+        lossy.encode_safely("b", big, lossy.LossySpec("fp16"), lossy.SafetyPolicy("fail"))  # in the last block
+    with pytest.warns(RuntimeWarning, match="kept because"):
+        kept, _ = lossy.encode_safely("m", tiny, lossy.LossySpec("fp16"), lossy.SafetyPolicy("keep"))
+    assert kept is not None and "partial" not in kept.error and kept.error["flushed"] == 1.0
 
 
 # -- entry points -------------------------------------------------------------------------------------------

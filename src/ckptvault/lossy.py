@@ -117,11 +117,15 @@ class Encoded:
     error: dict[str, float]
 
 
-def encode(t: torch.Tensor, spec: LossySpec, base: torch.Tensor | None = None) -> Encoded:
+def encode(t: torch.Tensor, spec: LossySpec, base: torch.Tensor | None = None, give_up: float | None = None
+           ) -> Encoded:
     """Encode a contiguous CPU float tensor; ``base`` (same shape) is required for residual-int8.
 
     The error is that of ``decode`` of the parts against ``t``: float32 tensors are measured block by
     block in scratch buffers (:func:`_measure_parts`), others through a full decode and :func:`measure`.
+    ``give_up``: stop measuring a float32 tensor as soon as more than this fraction of all its values is
+    known to be flushed, or one overflowed or became NaN; the error then covers the blocks measured and
+    says ``"partial": True`` (the result is unsafe for any ``max_flushed <= give_up``).
     """
     base = base if spec.kind == "residual-int8" else None  # only a residual has a base
     if spec.kind == "bf16":
@@ -134,7 +138,7 @@ def encode(t: torch.Tensor, spec: LossySpec, base: torch.Tensor | None = None) -
         assert base is not None, "residual-int8 needs the keyframe tensor"
         parts = _int8_block((t.float() - base.float()).reshape(-1), spec.block)
     if t.dtype == torch.float32 and (base is None or base.dtype == torch.float32):
-        return Encoded(spec, parts, _measure_parts(t.reshape(-1), spec, parts, base))
+        return Encoded(spec, parts, _measure_parts(t.reshape(-1), spec, parts, base, give_up))
     restored = decode(spec, parts, t.dtype, list(t.shape), base)
     return Encoded(spec, parts, measure(t, restored))
 
@@ -180,7 +184,7 @@ _MEASURE_BLOCK = 1 << 20  # elements per block of the fast measurement (4 MiB of
 
 
 def _measure_parts(flat: torch.Tensor, spec: LossySpec, parts: dict[str, torch.Tensor],
-                   base: torch.Tensor | None) -> dict[str, float]:
+                   base: torch.Tensor | None, give_up: float | None = None) -> dict[str, float]:
     """``measure(flat, decode(spec, parts, ...))`` for float32 ``flat``, without full-size temporaries.
 
     Each block is decoded into a scratch buffer exactly as :func:`decode` computes it. Sums of squares
@@ -201,6 +205,8 @@ def _measure_parts(flat: torch.Tensor, spec: LossySpec, parts: dict[str, torch.T
         restored, diff, squares = (buf[: a.numel()] for buf in scratch)
         _decode_range(spec, parts, start, base_flat, restored)
         total.add(a, restored, diff, squares, flags[:, : a.numel()], scale, spec.kind != "residual-int8")
+        if give_up is not None and (total.overflow or total.nan or total.flushed > give_up * n) and start + step < n:
+            return {**total.result(), "partial": True}  # certainly unsafe: the rest would not change that
     return total.result()
 
 
@@ -318,12 +324,13 @@ def _error_dict(max_abs: float, err_sq: float, ref_sq: float, flushed: int, nonz
 
 def unsafe_reason(error: dict[str, float], policy: SafetyPolicy) -> str | None:
     """Why an encoding destroys data, or None if it is acceptable."""
+    least, part = ("at least ", "; measured on part of the tensor") if error.get("partial") else ("", "")
     if error["overflow"]:
-        return f"{int(error['overflow'])} values overflowed to inf"
+        return f"{least}{int(error['overflow'])} values overflowed to inf"
     if error["nan"]:
-        return f"{int(error['nan'])} values became NaN"
+        return f"{least}{int(error['nan'])} values became NaN"
     if error["flushed"] > policy.max_flushed:
-        return f"{error['flushed']:.1%} of non-zero values flushed to zero (limit {policy.max_flushed:.1%})"
+        return f"{error['flushed']:.1%} of non-zero values flushed to zero (limit {policy.max_flushed:.1%}{part})"
     return None
 
 
@@ -336,7 +343,7 @@ def encode_safely(path: str, t: torch.Tensor, spec: LossySpec, policy: SafetyPol
     notes: list[str] = []
     current: LossySpec | None = spec
     while current is not None and applies_to(current, t.dtype):
-        encoded = encode(t, current, base)
+        encoded = encode(t, current, base, None if policy.on_unsafe == "keep" else policy.max_flushed)
         reason = unsafe_reason(encoded.error, policy)
         if reason is None:
             return encoded, notes
