@@ -120,7 +120,7 @@ class _ChunkWriter:
     def _encode(self, raw: memoryview, plan: ChunkPlan, base: BaseRef | None) -> tuple[ChunkHeader, bytes | memoryview]:
         """Delta-encode against ``base`` when that is smaller than the chunk on its own, else encode in full."""
         stages = chain_for(plan.codec, plan.itemsize)
-        if base is not None:
+        if base is not None and stages:  # without a compressing stage an XOR delta is never smaller: skip reading the base
             try:
                 self.vault.store.touch(chunk_key(base.id))  # a base must outlive this save, like a reused chunk
                 base_raw = self.vault.read_chunk(base.id)
