@@ -57,7 +57,8 @@ class Vault:
                  workers: int | None = None) -> None:
         self.store = open_store(url, storage_options)
         self.url = self.store.url
-        self.workers = workers or default_workers()
+        # a store whose requests wait on the network (S3) asks for more threads than there are cores
+        self.workers = workers or max(default_workers(), getattr(self.store, "preferred_workers", 0))
         self._pool: ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
         self._descriptor: dict[str, Any] | None = None

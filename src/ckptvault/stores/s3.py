@@ -66,6 +66,7 @@ class S3Store(Store):
         self.bucket, self.prefix = parse_s3_url(url)
         self.url = f"s3://{self.bucket}/{self.prefix}".rstrip("/")
         self.options = S3Options.from_dict(options)
+        self.preferred_workers = self.options.workers  # Vault sizes its thread pool by this (CheckpointManager(workers=) wins)
         self.client = _make_client(self.options)
         self.endpoint = self.client.meta.endpoint_url
         self._where = f"{self.url} (endpoint {self.endpoint})"

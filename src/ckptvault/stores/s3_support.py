@@ -48,6 +48,7 @@ class S3Options:
     aws_session_token: str | None = None
     addressing_style: str | None = None    # "virtual" (bucket.host, COS needs it), "path" (host/bucket), "auto"
     verify: bool | str | None = None       # TLS verification: False, or a CA bundle path
+    workers: int = 16                      # threads a vault uses for chunk I/O here (requests wait on the network)
     max_concurrency: int = 8               # parallel part uploads / ranged reads of one object
     multipart_threshold: int = 64 * MiB    # put() of larger objects uses multipart upload
     multipart_chunksize: int = 16 * MiB    # part size of uploads and of parallel ranged reads
@@ -77,8 +78,8 @@ class S3Options:
         if opts.multipart_chunksize < 5 * MiB or opts.multipart_threshold < opts.multipart_chunksize:
             raise InvalidArgumentError("multipart_chunksize must be at least 5 MiB (S3's minimum part size) and "
                                        "multipart_threshold at least multipart_chunksize")
-        if opts.max_concurrency < 1 or opts.max_attempts < 1:
-            raise InvalidArgumentError("max_concurrency and max_attempts must be at least 1")
+        if opts.max_concurrency < 1 or opts.max_attempts < 1 or opts.workers < 1:
+            raise InvalidArgumentError("workers, max_concurrency and max_attempts must be at least 1")
         return opts
 
 

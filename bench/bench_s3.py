@@ -1,0 +1,192 @@
+"""The issue-6 benchmark: ckptvault on S3 (a real Ceph RGW on loopback) against boto3 + torch.save.
+
+    .venv/bin/python bench/bench_s3.py --size full --runs 3     # the recorded numbers (W1, ~1.03 GB of state)
+    .venv/bin/python bench/bench_s3.py --size tiny --runs 1     # smoke check, seconds
+
+States: W1 of ``workloads_incremental.py`` (the ~85M GPT + AdamW) at its keyframe and one step later. Per run:
+
+* peer: torch.save of the keyframe state to a local file (not timed: it is the same for every upload method),
+  then boto3 ``upload_file`` of it (default TransferConfig: 8 MiB multipart parts, 10 threads), and
+  ``download_file`` + ``torch.load`` (weights_only) back;
+* ckptvault: a fresh ``s3://`` vault, save of the keyframe until durable (the first save), then of the state one
+  step later (an incremental save: dedup + XOR deltas), then a restore of each in a fresh CheckpointManager
+  (new connections), checked bit for bit.
+
+Both use the same endpoint and botocore settings (plain http, checksums "when_required"). The gateway is
+started by ``scripts/ceph-rgw.sh`` unless ``--endpoint`` (with AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY)
+names one. Medians over ``--runs``; results on stdout (markdown) and in
+``bench/out/s3-results-SIZE-CODEC-CHUNKmib.{json,md}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import workloads_incremental as wi  # noqa: E402
+from ckptvault import CheckpointManager  # noqa: E402
+from common import Timing, machine  # noqa: E402
+from workloads import OUT_DIR, assert_same_tensors, state_nbytes  # noqa: E402
+
+log = logging.getLogger("bench_s3")
+ROOT = Path(__file__).resolve().parent.parent
+BUCKET = "ckv-bench"
+
+
+class Gateway:
+    """The S3 endpoint: started with scripts/ceph-rgw.sh (and stopped on exit), or given."""
+
+    def __init__(self, endpoint: str | None) -> None:
+        self.state_dir: str | None = None
+        if endpoint:
+            self.endpoint = endpoint
+            self.keys = (os.environ["AWS_ACCESS_KEY_ID"], os.environ["AWS_SECRET_ACCESS_KEY"])
+            return
+        out = subprocess.run([str(ROOT / "scripts" / "ceph-rgw.sh"), "start"], capture_output=True, text=True, check=True,
+                             env={**os.environ, "CKV_RGW_PARENT_PID": str(os.getpid())})
+        env_file = Path(out.stdout.strip().splitlines()[-1])
+        values = dict(line.split("=", 1) for line in env_file.read_text().splitlines() if "=" in line)
+        self.state_dir = values["CKV_RGW_DIR"]
+        self.endpoint = values["CKV_S3_ENDPOINT"]
+        self.keys = (values["AWS_ACCESS_KEY_ID"], values["AWS_SECRET_ACCESS_KEY"])
+
+    def options(self) -> dict[str, Any]:
+        return {"endpoint_url": self.endpoint, "aws_access_key_id": self.keys[0], "aws_secret_access_key": self.keys[1],
+                "region_name": "us-east-1"}
+
+    def client(self) -> Any:
+        import boto3
+        from botocore.config import Config
+
+        cfg = Config(request_checksum_calculation="when_required", response_checksum_validation="when_required",
+                     max_pool_connections=32)
+        return boto3.client("s3", config=cfg, **self.options())
+
+    def stop(self) -> None:
+        if self.state_dir:
+            subprocess.run([str(ROOT / "scripts" / "ceph-rgw.sh"), "stop", self.state_dir], capture_output=True, check=False)
+
+
+def time_it(timing: Timing, fn: Any) -> Any:
+    wall0, cpu0 = time.perf_counter(), time.process_time()
+    out = fn()
+    timing.add(time.perf_counter() - wall0, time.process_time() - cpu0)
+    return out
+
+
+def boto3_run(gw: Gateway, state: Any, scratch: Path, t: dict[str, Timing]) -> int:
+    """torch.save to a file, then boto3 upload_file; download_file + torch.load. Returns the file's size."""
+    import torch
+
+    client = gw.client()
+    path, back = scratch / "state.pt", scratch / "back.pt"
+    torch.save(state, path)
+    key = f"boto3/{uuid.uuid4().hex}.pt"
+    time_it(t["boto3_upload"], lambda: client.upload_file(str(path), BUCKET, key))
+
+    def download_and_load() -> Any:
+        client.download_file(BUCKET, key, str(back))
+        return torch.load(back, weights_only=True)
+
+    loaded = time_it(t["boto3_download_load"], download_and_load)
+    assert_same_tensors(state, loaded)
+    del loaded
+    client.delete_object(Bucket=BUCKET, Key=key)
+    size = path.stat().st_size
+    path.unlink()
+    back.unlink()
+    return size
+
+
+def ckptvault_run(gw: Gateway, states: wi.States, t: dict[str, Timing], codec: str, chunk_mib: int) -> dict[str, int]:
+    """First save, incremental save, and both restores (fresh manager) into new tensors, checked bit for bit."""
+    url = f"s3://{BUCKET}/vault-{uuid.uuid4().hex[:8]}"
+    with CheckpointManager(url, storage_options=gw.options(), codec=codec, chunk_size=chunk_mib << 20) as mgr:
+        time_it(t["first_save"], lambda: mgr.save(0, states[0]).wait())
+        time_it(t["incremental_save"], lambda: mgr.save(1, states[1]).wait())
+        sizes = {"first_stored": mgr.info(0).stored_bytes, "incremental_added": mgr.info(1).added_bytes}
+    for step, timing in ((0, "first_restore"), (1, "incremental_restore")):
+        with CheckpointManager(url, storage_options=gw.options()) as fresh:
+            restored = time_it(t[timing], lambda s=step, m=fresh: m.restore(s))
+        assert_same_tensors(states[step], restored)
+        del restored
+    from ckptvault.stores import open_store
+
+    store = open_store(url, gw.options())  # free the gateway's disk for the next run
+    for info in list(store.list()):
+        store.delete(info.key)
+    store.close()
+    return sizes
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size", default="full", choices=["full", "dev", "tiny"])
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--codec", default="zstd", help="vault codec (zstd, lz4, none)")
+    parser.add_argument("--chunk-mib", type=int, default=4, help="vault chunk size in MiB")
+    parser.add_argument("--endpoint", default=None, help="an S3 endpoint to use instead of starting Ceph RGW")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    states = wi.w1_states(args.size)
+    states = {0: states[0], 1: states[1]}
+    gw = Gateway(args.endpoint)
+    try:
+        client = gw.client()
+        try:
+            client.create_bucket(Bucket=BUCKET)
+        except client.exceptions.BucketAlreadyOwnedByYou:
+            pass
+        scratch = OUT_DIR / "s3-scratch"
+        scratch.mkdir(parents=True, exist_ok=True)
+        names = ["boto3_upload", "boto3_download_load", "first_save", "incremental_save", "first_restore",
+                 "incremental_restore"]
+        t = {n: Timing() for n in names}
+        facts: dict[str, int] = {}
+        for run in range(args.runs):
+            facts["torch_save_bytes"] = boto3_run(gw, states[0], scratch, t)
+            facts.update(ckptvault_run(gw, states, t, args.codec, args.chunk_mib))
+            log.info("run %d: %s", run + 1, {n: round(t[n].wall[-1], 2) for n in names})
+        report(args, t, facts, state_nbytes(states[0]))
+    finally:
+        gw.stop()
+
+
+def report(args: argparse.Namespace, t: dict[str, Timing], facts: dict[str, int], logical: int) -> None:
+    up, down = t["boto3_upload"].median, t["boto3_download_load"].median
+    rows = [
+        ("first save (until durable) vs boto3 upload_file", t["first_save"].median, up),
+        ("incremental save (+1 step) vs boto3 upload_file", t["incremental_save"].median, up),
+        ("restore of the first checkpoint vs download_file + torch.load", t["first_restore"].median, down),
+        ("restore of the incremental checkpoint vs download_file + torch.load", t["incremental_restore"].median, down),
+    ]
+    lines = [f"W1 {args.size}: {logical / 1e9:.3f} GB logical, torch.save file {facts['torch_save_bytes'] / 1e9:.3f} GB; "
+             f"ckptvault codec {args.codec}, chunks of {args.chunk_mib} MiB: first checkpoint stores "
+             f"{facts['first_stored'] / 1e9:.3f} GB, the incremental "
+             f"one adds {facts['incremental_added'] / 1e9:.3f} GB ({facts['incremental_added'] / facts['torch_save_bytes']:.3f}x "
+             "torch.save)", "", "| operation | ckptvault s | boto3 + torch s | ratio |", "|---|---|---|---|"]
+    lines += [f"| {name} | {ours:.2f} | {peer:.2f} | {ours / peer:.2f}x |" for name, ours, peer in rows]
+    lines.append(f"\nmedians of {args.runs} runs; all times: " + json.dumps({n: [round(w, 2) for w in v.wall]
+                                                                              for n, v in t.items()}))
+    text = "\n".join(lines)
+    print(text)
+    out = {"args": vars(args), "machine": machine(), "facts": facts, "logical_bytes": logical,
+           "times": {n: {"wall": v.wall, "cpu": v.cpu, "median": v.median} for n, v in t.items()}}
+    tag = f"{args.size}-{args.codec}-{args.chunk_mib}mib"
+    (OUT_DIR / f"s3-results-{tag}.json").write_text(json.dumps(out, indent=1))
+    (OUT_DIR / f"s3-results-{tag}.md").write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
