@@ -28,6 +28,7 @@ import sys
 import threading
 import time
 import warnings
+from concurrent import futures
 from pathlib import Path
 from typing import Any
 
@@ -152,7 +153,7 @@ def test_staged_completes_before_committed(tmp_path: Path) -> None:
         assert not handle.committed.done() and not handle.done()
         assert repr(handle) == "<SaveHandle step=1 staged>"
         assert mgr.steps() == []
-        with pytest.raises(TimeoutError):
+        with pytest.raises(futures.TimeoutError):  # the builtin only from Python 3.11
             handle.wait(timeout=0.05)
         store.gate.set()
         info = handle.committed.result(timeout=30)
