@@ -24,6 +24,17 @@ TIMEOUT=${CKV_RGW_TIMEOUT:-60}
 
 log() { echo "ceph-rgw: $*" >&2; }
 die() { log "error: $*"; exit 1; }
+STARTING_DIR=""  # set while `start` runs: on failure its daemons are killed and its state removed
+
+cleanup_failed_start() {
+    local rc=$?
+    if [ "$rc" -ne 0 ] && [ -n "$STARTING_DIR" ] && [ -f "$STARTING_DIR/pids" ]; then
+        log "start failed: stopping the daemons it started and removing $STARTING_DIR"
+        stop "$STARTING_DIR" >/dev/null 2>&1 || true
+    fi
+    exit "$rc"
+}
+trap cleanup_failed_start EXIT
 
 install_ceph() {
     if command -v ceph-mon >/dev/null && command -v ceph-osd >/dev/null && command -v radosgw >/dev/null \
@@ -114,7 +125,7 @@ wait_for() {  # DIR WHAT COMMAND...: retry COMMAND until it succeeds or TIMEOUT 
     until "$@" >/dev/null 2>&1; do
         if [ "$SECONDS" -ge "$deadline" ]; then
             dump_logs "$dir"
-            die "$what did not come up within ${TIMEOUT}s (state and logs in $dir)"
+            die "$what did not come up within ${TIMEOUT}s (the tails of its logs are above)"
         fi
         sleep 0.1
     done
@@ -141,6 +152,7 @@ start() {
     [ ${#dir} -le 60 ] || die "state directory $dir is too long: admin socket paths must stay under 108 bytes"
     mkdir -p "$dir"/{run,log,mon,osd/ceph-0,rgw}
     : >"$dir/pids"
+    STARTING_DIR=$dir
     local mon_port rgw_port fsid osd_uuid conf="$dir/ceph.conf"
     mon_port=$(free_port)
     rgw_port=$(free_port)
@@ -184,6 +196,7 @@ AWS_DEFAULT_REGION=us-east-1
 CKV_RGW_DIR=$dir
 CKV_RGW_PIDS="$pids"
 EOF
+    STARTING_DIR=""
     log "radosgw serves S3 at $endpoint (state in $dir; pids $pids; stop with: $0 stop $dir)"
     echo "$dir/rgw.env"
 }
@@ -207,7 +220,7 @@ stop() {
         kill -KILL "$pid" 2>/dev/null || true
     done
     case "$dir" in
-        /tmp/ckv-rgw.*) rm -rf "$dir" ;;
+        /tmp/ckv-rgw.*) rm -rf "$dir" ;;  # made by start: all ours
         *) rm -rf "$dir"/{run,log,mon,osd,rgw} "$dir"/{pids,rgw.env,ceph.conf,monmap} ;;
     esac
     log "stopped ${pids//$'\n'/ }"
