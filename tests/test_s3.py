@@ -123,6 +123,23 @@ def test_get_of_a_large_object_never_mixes_two_versions(rgw: Gateway, s3_url: st
     store.close()
 
 
+def test_without_conditional_writes_create_if_absent_is_check_then_write(rgw: Gateway, s3_url: str) -> None:
+    store = S3Store(s3_url, **rgw.options(conditional_writes=False))
+    sent: list[dict] = []
+    store.client.meta.events.register("before-send.s3.PutObject", lambda request, **_: sent.append(dict(request.headers)))
+    assert store.put_if_absent("k", b"first") is True
+    assert store.put_if_absent("k", b"second") is False
+    assert store.get("k") == b"first"
+    assert len(sent) == 1 and "If-None-Match" not in sent[0]  # one PUT, unconditional (the second call only HEADs)
+    store.close()
+    conditional = S3Store(s3_url, **rgw.options(check_lifecycle=False))
+    conditional.client.meta.events.register("before-send.s3.PutObject",
+                                            lambda request, **_: sent.append(dict(request.headers)))
+    assert conditional.put_if_absent("k2", b"x") is True and conditional.put_if_absent("k2", b"y") is False
+    assert [h.get("If-None-Match") for h in sent[1:]] == [b"*", b"*"]
+    conditional.close()
+
+
 # -- errors -----------------------------------------------------------------------------
 def test_wrong_secret_fails_fast_and_says_what_to_check(rgw: Gateway, s3_url: str) -> None:
     start = time.monotonic()

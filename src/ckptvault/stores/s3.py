@@ -202,6 +202,11 @@ class S3Store(Store):
                 code = error_code(exc)
                 if code == "PreconditionFailed":
                     return retry_attempts(exc) > 0 and self._holds(full, body)
+                if code == "NotImplemented":
+                    raise PermanentStorageError(
+                        f"{self._where} does not support conditional writes (If-None-Match) needed for create-if-absent "
+                        f"of {full!r}; set storage_options conditional_writes=False and keep one writer per vault "
+                        "(docs/STORAGE.md)") from exc
                 if code == "ConditionalRequestConflict" and attempt + 1 < self.options.max_attempts:
                     time.sleep(random.uniform(0, 0.1 * 2 ** attempt))  # a concurrent conditional write: ask again
                     continue
