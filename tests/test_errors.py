@@ -324,5 +324,5 @@ def test_bad_metrics(memory_url: str, metrics: Any, detail: str) -> None:
 
 
 def test_bad_url_scheme() -> None:
-    with pytest.raises(InvalidArgumentError, match="unsupported vault URL scheme 'ftp'"):
-        ckptvault.CheckpointManager("ftp://host/vault")
+    with pytest.raises(InvalidArgumentError, match="unsupported vault URL scheme 'gopher'"):  # ftp:// is fsspec's now
+        ckptvault.CheckpointManager("gopher://host/vault")

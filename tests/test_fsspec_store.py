@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from ckptvault import CheckpointManager
-from ckptvault.errors import InvalidArgumentError, ObjectNotFoundError
+from ckptvault.errors import InvalidArgumentError, ObjectNotFoundError, StorageError
 from ckptvault.stores import LocalStore, MemoryStore, Store, open_store
 from ckptvault.stores.conformance import StoreConformance
 from ckptvault.stores.fsspec_store import FsspecStore
@@ -96,6 +96,8 @@ def test_unknown_protocols_and_missing_implementations_are_named() -> None:
         open_store("gopher://host/x")
     with pytest.raises(InvalidArgumentError, match="fsspec cannot open fsspec\\+nosuchproto://x"):
         open_store("fsspec+nosuchproto://x")
+    with pytest.raises(StorageError, match="cannot open ftp://no-such-host.invalid/v through fsspec"):
+        open_store("ftp://no-such-host.invalid/v")  # fsspec's FTP filesystem connects on creation
 
 
 def test_checkpoint_manager_on_fsspec_memory() -> None:

@@ -66,8 +66,10 @@ class FsspecStore(Store):
         target = url.removeprefix("fsspec+")
         try:
             fs, root = fsspec.core.url_to_fs(target, **(storage_options or {}))
-        except (ImportError, ValueError) as exc:
+        except (ImportError, ValueError, TypeError) as exc:  # unknown protocol, backend not installed, bad options
             raise InvalidArgumentError(f"fsspec cannot open {url}: {exc}") from exc
+        except OSError as exc:  # the filesystem connects on creation (ftp, sftp, hdfs) and could not
+            raise StorageError(f"cannot open {url} through fsspec: {exc}") from exc
         return cls(fs, root, url)
 
     # -- paths -----------------------------------------------------------
