@@ -57,8 +57,8 @@ log = logging.getLogger("bench_fidelity")
 
 LOSSY_PRESETS = [p for p in PRESETS if p != "lossless"]
 #: preset -> (what is measured, limit as a fraction of torch.save) from the issue
-TARGETS = {"moments-compact": ("keyframe", 0.50), "moments-bf16": ("keyframe", 0.50), "fp16": ("delta +1", 0.40),
-           "bf16": ("delta +1", 0.40), "residual": ("delta +10", 0.25)}
+TARGETS = {"moments-compact": ("keyframe", 0.50), "fp16": ("delta +1", 0.40), "bf16": ("delta +1", 0.40),
+           "residual": ("delta +10", 0.25)}  # moments-bf16 is a variant the issue sets no target for
 SLICE = 4 << 20
 EVAL_BATCHES, EVAL_BATCH_SIZE = 8, 8
 

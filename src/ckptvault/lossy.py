@@ -33,6 +33,7 @@ from __future__ import annotations
 import logging
 import math
 import re
+import threading
 import warnings
 from dataclasses import dataclass, replace
 from typing import Any
@@ -167,7 +168,7 @@ def _int8_block(flat: torch.Tensor, block: int) -> dict[str, torch.Tensor]:
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
     q = torch.empty(rows.shape, dtype=torch.int8)
     step = max(1, _MEASURE_BLOCK // block)
-    scratch = torch.empty((min(step, rows.shape[0]), block))
+    scratch = _scratch("quantise", 1, min(step, rows.shape[0]) * block, torch.float32).view(-1, block)
     for r0 in range(0, rows.shape[0], step):
         buf = scratch[: min(step, rows.shape[0] - r0)]
         torch.div(rows[r0 : r0 + step], safe[r0 : r0 + step, None], out=buf)
@@ -181,6 +182,18 @@ def _int8_unblock(q: torch.Tensor, scale: torch.Tensor, block: int, numel: int) 
 
 
 _MEASURE_BLOCK = 1 << 20  # elements per block of the fast measurement (4 MiB of float32 scratch)
+_local = threading.local()
+_TINY = 2.0**-60  # a block's sum of squares above this: squares that underflow (< 2^-126 each) are negligible
+
+
+def _scratch(name: str, rows: int, n: int, dtype: torch.dtype) -> torch.Tensor:
+    """A (rows, n) scratch buffer of this thread, kept for the next call: fresh memory costs a page fault per
+    4 KiB, which made small tensors several times slower to encode than large ones."""
+    cache = _local.__dict__.setdefault("scratch", {})
+    buf = cache.get(name)
+    if buf is None or buf.shape[1] < n or buf.shape[0] != rows:
+        buf = cache[name] = torch.empty((rows, max(n, _MEASURE_BLOCK)), dtype=dtype)
+    return buf[:, :n]
 
 
 def _measure_parts(flat: torch.Tensor, spec: LossySpec, parts: dict[str, torch.Tensor],
@@ -188,23 +201,21 @@ def _measure_parts(flat: torch.Tensor, spec: LossySpec, parts: dict[str, torch.T
     """``measure(flat, decode(spec, parts, ...))`` for float32 ``flat``, without full-size temporaries.
 
     Each block is decoded into a scratch buffer exactly as :func:`decode` computes it. Sums of squares
-    are taken on values scaled by one power of two (so tiny moments do not underflow) with float32
-    pairwise sums; a block whose sums or extremes are not finite is measured again by :func:`measure`.
+    are float32 dot products (relative error ~1e-5). A block whose sums or extremes are not finite, or
+    whose sum of squares is so small (< 2^-60) that squares lost to underflow could matter, is measured
+    again in float64 (as :func:`measure` does).
     """
     n = flat.numel()
     step = _MEASURE_BLOCK if spec.kind in ("bf16", "fp16") else max(1, _MEASURE_BLOCK // spec.block) * spec.block
-    scratch = torch.empty((3, min(step, n)))
-    flags = torch.empty((2, min(step, n)), dtype=torch.bool)
-    lo, hi = (float(v) for v in torch.aminmax(flat)) if n else (0.0, 0.0)
-    peak = max(-lo, hi) if math.isfinite(lo) and math.isfinite(hi) else 0.0
-    scale = 2.0 ** max(-100, min(100, -math.frexp(peak)[1])) if peak > 0 else 1.0
+    scratch = _scratch("measure", 3, min(step, n), torch.float32)
+    flags = _scratch("flags", 2, min(step, n), torch.bool)
     base_flat = None if base is None else base.reshape(-1)
     total = _Totals()
     for start in range(0, n, step):
         a = flat[start : start + step]
         restored, diff, squares = (buf[: a.numel()] for buf in scratch)
         _decode_range(spec, parts, start, base_flat, restored)
-        total.add(a, restored, diff, squares, flags[:, : a.numel()], scale, spec.kind != "residual-int8")
+        total.add(a, restored, diff, squares, flags[:, : a.numel()], spec.kind != "residual-int8")
         if give_up is not None and (total.overflow or total.nan or total.flushed > give_up * n) and start + step < n:
             return {**total.result(), "partial": True}  # certainly unsafe: the rest would not change that
     return total.result()
@@ -241,17 +252,16 @@ class _Totals:
         self.flushed = self.nonzero = self.overflow = self.nan = 0
 
     def add(self, a: torch.Tensor, b: torch.Tensor, diff: torch.Tensor, squares: torch.Tensor,
-            flags: torch.Tensor, scale: float, keeps_zeros: bool) -> None:
+            flags: torch.Tensor, keeps_zeros: bool) -> None:
         """Add block ``a`` (original) / ``b`` (restored); ``keeps_zeros``: ``a == 0`` implies ``b == 0``."""
         torch.sub(b, a, out=diff)
         lo, hi = (float(v) for v in torch.aminmax(diff))
-        err = float(torch.dot(diff.mul_(scale), diff)) / scale**2
-        ref = float(torch.dot(torch.mul(a, scale, out=squares), squares)) / scale**2
+        err, ref = float(torch.dot(diff, diff)), float(torch.dot(a, a))
         zeros = _zeros(b, squares)
         exact_zeros = keeps_zeros and not zeros  # then a has no zeros either: no need to look
         nonzero = a.numel() - (0 if exact_zeros else _zeros(a, squares))
-        if not all(math.isfinite(v) for v in (lo, hi, err, ref)) or (ref == 0 and nonzero):
-            self._merge(_measure_sums(a, b))
+        if not all(math.isfinite(v) for v in (lo, hi, err, ref)) or (ref < _TINY and nonzero):
+            self._merge(_measure_sums(a, b))  # float64, exact for any values
             return
         self.max_abs = max(self.max_abs, -lo, hi)
         self.err_sq, self.ref_sq, self.nonzero = self.err_sq + err, self.ref_sq + ref, self.nonzero + nonzero
