@@ -326,3 +326,24 @@ def test_bad_metrics(memory_url: str, metrics: Any, detail: str) -> None:
 def test_bad_url_scheme() -> None:
     with pytest.raises(InvalidArgumentError, match="unsupported vault URL scheme 'gopher'"):  # ftp:// is fsspec's now
         ckptvault.CheckpointManager("gopher://host/vault")
+
+
+def test_manifest_requiring_an_unknown_feature_is_refused(tmp_path: Path) -> None:
+    """A manifest that declares a feature this reader lacks must be refused, never misread."""
+    url = str(tmp_path / "v")
+    ckptvault.save({"w": torch.arange(10.0)}, url, step=1)
+    path = tmp_path / "v" / "manifests" / f"{1:020d}.json"
+    body = decode_manifest(path.read_bytes(), "test")
+    body["requires"] = ["lossy", "sparse-v9"]
+    path.write_bytes(encode_manifest(body))
+    with pytest.raises(FormatVersionError, match=r"requires features \['sparse-v9'\].*upgrade ckptvault"):
+        ckptvault.load(url)
+
+
+def test_lossy_manifest_declares_the_lossy_feature(tmp_path: Path) -> None:
+    url = str(tmp_path / "v")
+    ckptvault.save({"w": torch.linspace(-1, 1, 4096), "n": torch.arange(5)}, url, step=1, codec_rules={"w": "bf16"})
+    ckptvault.save({"w": torch.linspace(-1, 1, 4096)}, url, step=2)
+    with ckptvault.CheckpointManager(url) as mgr:
+        assert mgr.manifest(1)["requires"] == ["lossy"]
+        assert "requires" not in mgr.manifest(2)

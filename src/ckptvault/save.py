@@ -175,7 +175,7 @@ def build_manifest(step: int, snapshot: Snapshot, chunks: list[ChunkResult], pie
     tensors = [_tensor_entry(record, leaf_pieces, remap, chunk_table)
                for record, leaf_pieces in zip(snapshot.records, pieces, strict=True)]
     table = chunk_table.entries
-    return {
+    body = {
         "format": MANIFEST_FORMAT, "version": FORMAT_VERSION, "step": step, "time": time.time(),
         "writer": f"ckptvault {__version__}", "hash": "blake3", "pickle": snapshot.allow_pickle and any(
             r.kind == "pickle" for r in snapshot.records),
@@ -186,6 +186,9 @@ def build_manifest(step: int, snapshot: Snapshot, chunks: list[ChunkResult], pie
         "since_keyframe": 0 if keyframe_step is None else since_keyframe,
         "tree": snapshot.tree, "tensors": tensors, "chunks": table,
     }
+    if any(t.get("lossy") for t in tensors):
+        body["requires"] = ["lossy"]  # a reader without lossy support must refuse, not misread (DESIGN §4)
+    return body
 
 
 class _ChunkTable:

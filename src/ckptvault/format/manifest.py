@@ -20,6 +20,8 @@ from ..errors import CorruptManifestError, FormatVersionError
 from . import FORMAT_VERSION
 
 MANIFEST_FORMAT = "ckptvault.manifest"
+#: optional features a manifest may declare in "requires"; a reader refuses any it does not know
+KNOWN_FEATURES = frozenset({"lossy"})
 _PREFIX = b'{"blake3":"'
 _MIDDLE = b'","manifest":'
 _BODY_START = len(_PREFIX) + 64 + len(_MIDDLE)
@@ -66,5 +68,10 @@ def decode_manifest(data: bytes, where: str) -> dict[str, Any]:
         raise FormatVersionError(
             f"manifest {where} uses format version {parsed['version']}; this ckptvault reads up to "
             f"{FORMAT_VERSION}: upgrade ckptvault"
+        )
+    unknown = sorted(set(parsed.get("requires", ())) - KNOWN_FEATURES)
+    if unknown:
+        raise FormatVersionError(
+            f"manifest {where} requires features {unknown} this ckptvault does not know: upgrade ckptvault"
         )
     return parsed
