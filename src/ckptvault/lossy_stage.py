@@ -18,7 +18,8 @@ from typing import Any
 import torch
 
 from .arrays import empty_like_record, tensor_bytes, torch_dtype, torch_dtype_name, writable_bytes
-from .lossy import Encoded, SafetyPolicy, applies_to, describe, encode_safely, parse_codec
+from .lossy import Encoded, LossySpec, SafetyPolicy, applies_to, describe, encode_safely, parse_codec
+from .parallel import map_all
 from .snapshot import ArrayRecord, Snapshot
 from .vault import Vault
 
@@ -27,21 +28,35 @@ log = logging.getLogger(__name__)
 
 def apply_lossy(snapshot: Snapshot, policy: SafetyPolicy, default_lossless: str, vault: Vault,
                 keyframe: dict[str, Any] | None) -> Snapshot:
-    """Return a snapshot whose lossy-ruled records hold their encoded bytes (others unchanged)."""
+    """Return a snapshot whose lossy-ruled records hold their encoded bytes (others unchanged).
+
+    Order: decide each record's codec and read residual bases (on this thread; reading
+    uses the vault's pool), then encode and measure all lossy records in parallel on
+    the pool, then assemble records in their original order.
+    """
     records, views = list(snapshot.records), list(snapshot.views)
-    extra_records: list[ArrayRecord] = []
-    extra_views: list[memoryview] = []
+    jobs: list[tuple[int, LossySpec, str, tuple[torch.Tensor, dict[str, Any]] | None]] = []
     for index, record in enumerate(snapshot.records):
         spec, lossless = parse_codec(record.codec, default_lossless)
         if spec is None or record.kind != "torch" or not applies_to(spec, torch_dtype(record.dtype)):
             records[index] = replace(record, codec=lossless)
             continue
-        original = _as_tensor(record, snapshot.views[index])
         base_entry = _residual_base(vault, keyframe, record) if spec.kind == "residual-int8" else None
         if spec.kind == "residual-int8" and base_entry is None:
             records[index] = replace(record, codec=lossless)  # keyframe (or no usable base): stored exactly
             continue
-        encoded, notes = encode_safely(record.path, original, spec, policy, base_entry[0] if base_entry else None)
+        jobs.append((index, spec, lossless, base_entry))
+
+    def encode_one(job: tuple[int, LossySpec, str, Any]) -> tuple[Encoded | None, list[str]]:
+        index, spec, _lossless, base_entry = job
+        original = _as_tensor(records[index], views[index])
+        return encode_safely(records[index].path, original, spec, policy, base_entry[0] if base_entry else None)
+
+    results = map_all(vault.pool, encode_one, jobs)
+    extra_records: list[ArrayRecord] = []
+    extra_views: list[memoryview] = []
+    for (index, spec, lossless, base_entry), (encoded, notes) in zip(jobs, results, strict=True):
+        record = records[index]
         if encoded is None:
             records[index] = replace(record, codec=lossless, lossy={"codec": "lossless", "requested": spec.name,
                                                                     "notes": notes})
