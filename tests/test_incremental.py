@@ -448,3 +448,18 @@ def test_resized_embedding_and_new_param_group_are_stored_in_full_and_restore_ex
         assert len(m["tensors"]) > len(mgr.manifest(0)["tensors"])
         assert len(states[1]["optimizer"]["param_groups"]) == 2
         assert_restores_exactly(mgr, states)
+
+
+def test_xor_never_modifies_its_inputs_unless_asked() -> None:
+    """Saves XOR the caller's (or the staging buffer's) bytes: that memory must stay untouched."""
+    import numpy as np
+
+    from ckptvault.delta import xor
+
+    data = np.arange(1001, dtype=np.uint8)
+    base = np.full(1001, 0x5A, dtype=np.uint8)
+    before = data.copy()
+    out = np.frombuffer(xor(memoryview(data), memoryview(base)), dtype=np.uint8)
+    assert np.array_equal(data, before) and np.array_equal(out, before ^ 0x5A)
+    np.frombuffer(xor(memoryview(data), memoryview(base), in_place=True), dtype=np.uint8)
+    assert np.array_equal(data, before ^ 0x5A)  # in place: only for the decoder's own scratch bytes

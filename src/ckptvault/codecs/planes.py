@@ -18,6 +18,7 @@ Payload layout (little-endian)::
 from __future__ import annotations
 
 import struct
+import threading
 
 import numpy as np
 
@@ -93,6 +94,17 @@ class BytePlanes(BytesStage):
         return cls(int(spec["typesize"]), stage_from_spec(spec["inner"]))
 
 
+_local = threading.local()
+
+
+def _scratch(nbytes: int) -> np.ndarray:
+    """A per-thread reusable byte buffer of ``nbytes`` (a fresh one each call would page-fault every time)."""
+    buffer = getattr(_local, "buffer", None)
+    if buffer is None or buffer.nbytes < nbytes:
+        buffer = _local.buffer = np.empty(nbytes, dtype=np.uint8)
+    return buffer[:nbytes]
+
+
 def _interleave(planes: list[np.ndarray], out: np.ndarray) -> None:
     """Write element i's byte k from ``planes[k][i]`` into ``out`` (the inverse shuffle).
 
@@ -108,7 +120,7 @@ def _interleave(planes: list[np.ndarray], out: np.ndarray) -> None:
         out.reshape(-1, count)[...] = np.stack(planes, axis=1)
         return
     words = out.view(wide)
-    scratch = np.empty_like(words)
+    scratch = _scratch(words.nbytes).view(wide)
     words[...] = planes[count - 1]
     for k in range(count - 2, -1, -1):
         np.left_shift(words, 8, out=words)
