@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import logging
 import re
-import struct
 import time
 import uuid
 from collections.abc import Iterable
@@ -45,7 +44,6 @@ from .errors import (
     StepNotFoundError,
     StorageError,
 )
-from .format.chunk_object import chunk_key, parse_object
 from .format.manifest import step_of_key
 from .pins import PINS_PREFIX, parse_pin_key
 from .retention import DEFAULT_GRACE
@@ -56,7 +54,6 @@ log = logging.getLogger(__name__)
 
 MARKER_PREFIX = "gc/clock-"
 _CHUNK_KEY_RE = re.compile(r"^chunks/([0-9a-f]{2})/([0-9a-f]{64})$")
-_HEAD = struct.Struct("<4sBBH")
 
 
 @dataclass(frozen=True)
@@ -209,7 +206,7 @@ def mark(vault: Vault, listed: Iterable[ObjectInfo]) -> tuple[set[str], dict[int
             live.add(cid)
             if base is not None or cid not in bases:
                 bases[cid] = base
-    _follow_bases(vault.store, live, bases)
+    _follow_bases(vault, live, bases)
     return live, summaries
 
 
@@ -251,7 +248,7 @@ def _summarise(vault: Vault, step: int) -> dict[str, Any] | str | None:
         return f"manifest lacks a required field ({type(exc).__name__}: {exc})"
 
 
-def _follow_bases(store: Store, live: set[str], bases: dict[str, str | None]) -> None:
+def _follow_bases(vault: Vault, live: set[str], bases: dict[str, str | None]) -> None:
     """Add every delta base reachable from ``live`` (reading chunk headers for bases no manifest lists)."""
     todo = [b for b in bases.values() if b is not None and b not in live]
     while todo:
@@ -259,26 +256,20 @@ def _follow_bases(store: Store, live: set[str], bases: dict[str, str | None]) ->
         if cid in live:
             continue
         live.add(cid)
-        base = bases[cid] if cid in bases else _header_base(store, cid)
+        base = bases[cid] if cid in bases else _header_base(vault, cid)
         if base is not None and base not in live:
             todo.append(base)
 
 
-def _header_base(store: Store, cid: str) -> str | None:
+def _header_base(vault: Vault, cid: str) -> str | None:
     """The base named in a chunk object's header (None for a keyframe or a missing/damaged chunk)."""
-    key = chunk_key(cid)
     try:
-        head = store.get_range(key, 0, _HEAD.size)
-        if len(head) < _HEAD.size:
-            return None
-        header, _ = parse_object(cid, store.get_range(key, 0, _HEAD.size + _HEAD.unpack(head)[3]))
+        return vault.chunk_base(cid)
     except ObjectNotFoundError:
-        log.warning("delta base chunk %s is missing from %s: run `ckptvault verify`", cid, store.url)
-        return None
+        log.warning("delta base chunk %s is missing from %s: run `ckptvault verify`", cid, vault.url)
     except (CorruptDataError, FormatVersionError) as exc:
         log.warning("cannot read the header of delta base chunk %s: %s", cid, exc)
-        return None
-    return header.base
+    return None
 
 
 def manifest_infos(store: Store) -> list[ObjectInfo]:

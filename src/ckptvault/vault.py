@@ -149,6 +149,8 @@ class Vault:
         """The delta base of a stored chunk object (None for a full chunk), from its header alone."""
         key = chunk_key(cid)
         prefix = self.store.get_range(key, 0, 1024)
+        if len(prefix) < 8:
+            raise CorruptChunkError(cid, f"object is {len(prefix)} bytes, shorter than its fixed header")
         needed = header_length(prefix)
         if needed > len(prefix):
             prefix = self.store.get_range(key, 0, needed)
