@@ -10,8 +10,11 @@ What is frozen, against files committed in ``tests/golden/``:
 * ``manifest.json`` and ``vault.json``: a manifest and descriptor written by a save, byte for byte, after
   pinning the fields that legitimately vary (``time``, ``writer``, ``created``); the manifest file must also
   be exactly what re-encoding its parsed body gives, so nothing else can vary.
-* ``vault_v1/``: a whole vault written by this version (two steps, the second an incremental one, several
-  codecs, every kind of value). Future versions must keep restoring it exactly and verifying it.
+* ``vault_v1/``: a whole vault written by the first writer of format 1 (two steps, the second an incremental one
+  with whole-chunk XOR deltas, several codecs, every kind of value). Future versions must keep restoring it exactly
+  and verifying it.
+* ``vault_v1_xplanes/``: the same states written since deltas are plane deltas (the ``xplanes`` stage). It is the
+  newest golden vault, the only one ``--regen-goldens`` rewrites.
 
 Regenerating them is a deliberate format change: bump the format version if old readers cannot read the new
 files, then run ``.venv/bin/pytest tests/test_format_golden.py --regen-goldens`` and commit ``tests/golden/``
@@ -28,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 import torch
 
 import ckptvault
@@ -37,6 +41,8 @@ from conftest import GOLDEN_DIR, assert_same_state, chunk_files, manifest_files
 
 PINNED = {"time": 1700000000.0, "writer": "ckptvault golden"}
 GOLDEN_VAULT = GOLDEN_DIR / "vault_v1"
+NEWEST_VAULT = GOLDEN_DIR / "vault_v1_xplanes"  # the only golden vault --regen-goldens writes
+GOLDEN_VAULTS = [GOLDEN_VAULT, NEWEST_VAULT]
 
 
 def _bytes_ramp(n: int, start: int = 0) -> torch.Tensor:
@@ -143,22 +149,40 @@ def _first_difference(a: bytes, b: bytes) -> str:
 
 # -- reading yesterday's vault --------------------------------------------------------------------------
 
-def _write_golden_vault() -> None:
-    shutil.rmtree(GOLDEN_VAULT, ignore_errors=True)
+def _write_golden_vault(root: Path) -> None:
+    shutil.rmtree(root, ignore_errors=True)
     rules = {"optimizer.*": "lz4", "np.*": "none"}
-    with ckptvault.CheckpointManager(GOLDEN_VAULT, chunk_size=64 << 10, codec_rules=rules) as mgr:
+    with ckptvault.CheckpointManager(root, chunk_size=64 << 10, codec_rules=rules) as mgr:
         for step in (1, 2):
             mgr.save(step, vault_state(step), metrics={"loss": 1.0 / step}, metadata={"golden": True}).wait()
-    for leftover in (GOLDEN_VAULT / "tmp",):
+    for leftover in (root / "tmp",):
         shutil.rmtree(leftover, ignore_errors=True)
 
 
-def test_golden_vault_restores_exactly(regen_goldens: bool, tmp_path: Path) -> None:
-    if regen_goldens:
-        _write_golden_vault()
-    assert (GOLDEN_VAULT / "vault.json").exists(), "run pytest tests/test_format_golden.py --regen-goldens"
+def _delta_codecs(root: Path) -> set[str]:
+    """The first codec stage id of every delta chunk object of a vault ("" for a raw XOR delta)."""
+    found = set()
+    for path in chunk_files(str(root)):
+        header = json.loads(path.read_bytes()[8 : header_length(path.read_bytes())])
+        if header["base"]:
+            found.add(header["codec"][0]["id"] if header["codec"] else "")
+    return found
+
+
+def test_golden_vaults_hold_both_kinds_of_delta() -> None:
+    assert _delta_codecs(GOLDEN_VAULT) == {"planes", ""}  # whole-chunk XOR deltas: compressed and raw
+    assert _delta_codecs(NEWEST_VAULT) == {"xplanes"}
+    manifest = decode_manifest((NEWEST_VAULT / "manifests" / f"{2:020d}.json").read_bytes(), "golden")
+    assert manifest["requires"] == ["xplanes"]
+
+
+@pytest.mark.parametrize("vault", GOLDEN_VAULTS, ids=lambda p: p.name)
+def test_golden_vault_restores_exactly(vault: Path, regen_goldens: bool, tmp_path: Path) -> None:
+    if regen_goldens and vault == NEWEST_VAULT:
+        _write_golden_vault(vault)
+    assert (vault / "vault.json").exists(), "run pytest tests/test_format_golden.py --regen-goldens"
     copy = tmp_path / "vault"
-    shutil.copytree(GOLDEN_VAULT, copy)  # read a copy: the committed files must never be touched
+    shutil.copytree(vault, copy)  # read a copy: the committed files must never be touched
     with ckptvault.CheckpointManager(copy) as mgr:
         assert mgr.steps() == [1, 2]
         for step in (1, 2):
@@ -173,7 +197,7 @@ def test_golden_vault_restores_exactly(regen_goldens: bool, tmp_path: Path) -> N
         mgr.restore(2, into=target, strict=False)
         assert torch.equal(target["big"], vault_state(2)["model"]["big"])
     assert sorted(p.relative_to(copy).as_posix() for p in copy.rglob("*") if p.is_file()) == \
-        sorted(p.relative_to(GOLDEN_VAULT).as_posix() for p in GOLDEN_VAULT.rglob("*") if p.is_file())  # reads wrote nothing
+        sorted(p.relative_to(vault).as_posix() for p in vault.rglob("*") if p.is_file())  # reads wrote nothing
 
 
 def test_golden_vault_covers_the_format() -> None:

@@ -1,10 +1,14 @@
 """Incremental checkpoints: XOR deltas of chunks against a keyframe.
 
 A *keyframe* is a checkpoint stored without deltas. Every later checkpoint,
-until the next keyframe, may store a changed chunk as the XOR of its raw bytes
-with the chunk that held the same region in the keyframe, followed by the
-usual lossless stages. XOR of two nearby float states leaves the sign,
-exponent and high mantissa bits mostly zero, which compresses well.
+until the next keyframe, may store a changed chunk against the chunk that held
+the same region in the keyframe: plane by plane, each byte plane stored either
+on its own or XORed with the base's plane, whichever compresses better
+(``codecs/xplanes.py``). XOR of two nearby float states leaves the sign,
+exponent and high mantissa bits mostly zero, which compresses well; the low
+mantissa planes are noise either way and are stored without the base, so a
+restore reads only the base's high planes (``delta_io.py``). Vaults written
+before plane deltas may hold whole-chunk XOR deltas, which stay readable.
 
 Invariants (docs/DESIGN.md):
 
@@ -37,11 +41,6 @@ if TYPE_CHECKING:
     from .vault import Vault
 
 log = logging.getLogger(__name__)
-
-#: a delta this much smaller than the base chunk's own encoding is kept without
-#: also encoding the chunk in full to compare
-CLEAR_WIN = 0.9
-
 
 @dataclass(frozen=True)
 class DeltaPolicy:

@@ -44,9 +44,9 @@ class CheckpointManager(MaintenanceMixin):
     Use as a context manager or call :meth:`close`.
 
     Incremental saves (``incremental=True``, the default): chunks identical to
-    stored ones are never written again, and changed chunks are stored as XOR
-    deltas against the same region of the latest keyframe when that is
-    smaller. A keyframe (stored without deltas) is written every
+    stored ones are never written again, and changed chunks are stored as
+    deltas against the same region of the latest keyframe, each byte plane
+    XORed with the keyframe's where that compresses better. A keyframe (stored without deltas) is written every
     ``keyframe_every`` checkpoints, or when the previous checkpoint added more
     than ``keyframe_growth`` x the keyframe's stored bytes; so restoring any
     checkpoint reads at most one base chunk per chunk.

@@ -22,8 +22,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import __version__
-from .codecs import chain_for, encode_chain
-from .delta import CLEAR_WIN, BaseRef, DeltaContext, find_bases, xor
+from .codecs import BytePlanes, PlaneDelta, chain_for, encode_chain
+from .delta import BaseRef, DeltaContext, find_bases
+from .delta_io import base_planes_for_save
 from .errors import CorruptChunkError, InvalidArgumentError, ObjectNotFoundError, SaveError, StepExistsError
 from .format import FORMAT_VERSION
 from .format.chunk_object import ChunkHeader, chunk_id, chunk_key, encode_object
@@ -118,22 +119,24 @@ class _ChunkWriter:
         return False, store.stat(key).size, self._existing_base(cid)
 
     def _encode(self, raw: memoryview, plan: ChunkPlan, base: BaseRef | None) -> tuple[ChunkHeader, bytes | memoryview]:
-        """Delta-encode against ``base`` when that is smaller than the chunk on its own, else encode in full."""
+        """Encode in full, or against ``base`` plane by plane where XOR with the base's plane compresses better."""
         stages = chain_for(plan.codec, plan.itemsize)
         if base is not None and stages:  # without a compressing stage an XOR delta is never smaller: skip reading the base
+            planes = stages[0]
+            assert isinstance(planes, BytePlanes) and len(stages) == 1
             try:
                 self.vault.store.touch(chunk_key(base.id))  # a base must outlive this save, like a reused chunk
-                base_raw = self.vault.read_chunk(base.id)
+                base_planes = base_planes_for_save(self.vault.store, base.id, planes.typesize)
             except (ObjectNotFoundError, CorruptChunkError) as exc:
                 log.warning("cannot use delta base %s (%s); storing the chunk in full", base.id, exc)
             else:
-                codec, payload = encode_chain(xor(raw, base_raw), stages)
-                if len(payload) < CLEAR_WIN * base.stored:
-                    return ChunkHeader(codec=codec, raw=len(raw), base=base.id), payload
-                full_codec, full_payload = encode_chain(raw, stages)
-                if len(payload) < len(full_payload):
-                    return ChunkHeader(codec=codec, raw=len(raw), base=base.id), payload
-                return ChunkHeader(codec=full_codec, raw=len(raw)), full_payload
+                stage = PlaneDelta(planes.typesize, planes.inner)
+                payload, uses_base = stage.encode_against(raw, base_planes)
+                if len(payload) >= len(raw):
+                    return ChunkHeader(codec=[], raw=len(raw)), raw
+                if uses_base:
+                    return ChunkHeader(codec=[stage.spec()], raw=len(raw), base=base.id), payload
+                return ChunkHeader(codec=[planes.spec()], raw=len(raw)), payload  # no plane XORed: a full chunk
         codec, payload = encode_chain(raw, stages)
         return ChunkHeader(codec=codec, raw=len(raw)), payload
 
@@ -186,8 +189,10 @@ def build_manifest(step: int, snapshot: Snapshot, chunks: list[ChunkResult], pie
         "since_keyframe": 0 if keyframe_step is None else since_keyframe,
         "tree": snapshot.tree, "tensors": tensors, "chunks": table,
     }
-    if any(t.get("lossy") for t in tensors):
-        body["requires"] = ["lossy"]  # a reader without lossy support must refuse, not misread (DESIGN §4)
+    requires = [feature for feature, used in (("lossy", any(t.get("lossy") for t in tensors)),
+                                              ("xplanes", any(c.get("base") for c in table))) if used]
+    if requires:  # a reader without these must refuse, not misread (DESIGN §4)
+        body["requires"] = requires
     return body
 
 

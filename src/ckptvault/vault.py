@@ -22,6 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from .codecs import DEFAULT_CODEC, validate_codec_name
+from .delta_io import is_plane_delta, read_plane_delta
 from .errors import (
     CorruptChunkError,
     CorruptManifestError,
@@ -120,10 +121,12 @@ class Vault:
         """Raw bytes of a chunk, verified against its hash; a delta is applied to its base.
 
         Reads one object, or two for a delta (whose base must be a full chunk:
-        restore chains are never longer). Raises CorruptChunkError,
+        restore chains are never longer); of a plane delta's base, only the planes it XORs. Raises CorruptChunkError,
         ObjectNotFoundError if the chunk itself is missing.
         """
         header, payload = parse_object(cid, self.store.get(chunk_key(cid)))
+        if is_plane_delta(header):  # reads only the base planes it XORs
+            return read_plane_delta(self.store, cid, header, payload)
         base_raw = None
         if header.base is not None:
             try:

@@ -21,10 +21,11 @@ from .base import BytesStage, Spec, stage_from_spec
 from .lz4 import Lz4
 from .planes import BytePlanes
 from .shuffle import Shuffle
+from .xplanes import PlaneDelta
 from .zstd import Zstd
 
 __all__ = [
-    "CODEC_NAMES", "BytePlanes", "BytesStage", "Shuffle", "Spec", "chain_for", "decode_chain", "encode_chain",
+    "CODEC_NAMES", "BytePlanes", "BytesStage", "PlaneDelta", "Shuffle", "Spec", "chain_for", "decode_chain", "encode_chain",
     "stage_from_spec",
 ]
 

@@ -4,14 +4,15 @@ For ``typesize`` t, plane k holds byte k of every element (a byte shuffle).
 In floating point data the plane holding sign and exponent bits is highly
 repetitive while low mantissa planes are noise; in XOR deltas of nearby
 states, the high planes are mostly zero. Each plane is compressed with the
-inner codec only if a sample of it shrinks and the whole plane then shrinks
-by at least 5%; otherwise it is stored raw, which costs a copy instead of
+inner codec only if a sample of it (8 pieces spread over the plane) shrinks
+and the whole plane then shrinks by at least 5%; otherwise it is stored raw, which costs a copy instead of
 an entropy coder's time. Bytes past the last whole element are stored raw.
 
 Payload layout (little-endian)::
 
     u8      number of planes P (= typesize)
-    P x u32 stored length of each plane; the high bit set means "compressed"
+    P x u32 stored length of each plane; the high bit set means "compressed";
+            bit 30 set means "XOR with the base's plane" (``xplanes`` deltas only)
     ...     the P plane payloads, in order, then the raw tail bytes
 """
 
@@ -19,16 +20,66 @@ from __future__ import annotations
 
 import struct
 import threading
+from dataclasses import dataclass
 
 import numpy as np
 
 from .base import BytesStage, Spec, stage_from_spec
 
 _COMPRESSED = 1 << 31
+XOR_BASE = 1 << 30
+_LENGTH = XOR_BASE - 1
 SAMPLE = 64 << 10
+PIECES = 8
 KEEP_BELOW = 0.95
 
 _UINT = {2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
+@dataclass(frozen=True)
+class PlaneEntry:
+    """Where one stored plane lies in a payload, and how it is stored."""
+
+    offset: int
+    length: int
+    compressed: bool
+    xor: bool
+
+
+@dataclass(frozen=True)
+class StoredPlane:
+    """One plane as it goes into a payload: bytes plus flags."""
+
+    data: bytes | memoryview | np.ndarray
+    compressed: bool = False
+    xor: bool = False
+
+
+def split_planes(data: bytes | memoryview, typesize: int) -> tuple[np.ndarray, np.ndarray]:
+    """(planes, tail): a C-contiguous ``typesize x n`` array of byte planes, and the bytes past the last element."""
+    arr = np.frombuffer(data, dtype=np.uint8)
+    whole = len(arr) - len(arr) % typesize
+    planes = arr[:whole].reshape(-1, typesize).T.copy()  # one transposed copy: ~3x faster than per-plane gathers
+    return planes, arr[whole:]
+
+
+def plane_table(payload: bytes | memoryview, typesize: int) -> tuple[list[PlaneEntry], int]:
+    """The entries of a planes payload's table, and where the tail starts. Needs only the table's bytes.
+
+    Raises ValueError if the table is malformed (wrong plane count).
+    """
+    if len(payload) < 1 + 4 * typesize:
+        raise ValueError(f"payload of {len(payload)} bytes is too short for a {typesize}-plane table")
+    count = payload[0]
+    if count != typesize:
+        raise ValueError(f"payload has {count} planes, spec says {typesize}")
+    sizes = struct.unpack_from(f"<{count}I", payload, 1)
+    entries, position = [], 1 + 4 * count
+    for size in sizes:
+        length = size & _LENGTH
+        entries.append(PlaneEntry(position, length, bool(size & _COMPRESSED), bool(size & XOR_BASE)))
+        position += length
+    return entries, position
 
 
 class BytePlanes(BytesStage):
@@ -40,51 +91,69 @@ class BytePlanes(BytesStage):
         self.typesize, self.inner = typesize, inner
 
     def encode(self, data: memoryview) -> bytes:
-        arr = np.frombuffer(data, dtype=np.uint8)
-        whole = len(arr) - len(arr) % self.typesize
-        planes = arr[:whole].reshape(-1, self.typesize).T.copy()  # one transposed copy: ~3x faster than per-plane gathers
-        sizes, parts = [], []
-        for k in range(self.typesize):
-            plane = planes[k]
-            packed = self._compress(memoryview(plane))
-            sizes.append(len(packed) | _COMPRESSED if packed is not None else plane.nbytes)
-            parts.append(packed if packed is not None else plane)
-        head = struct.pack(f"<B{self.typesize}I", self.typesize, *sizes)
-        return b"".join([head, *parts, arr[whole:]])
+        planes, tail = split_planes(data, self.typesize)
+        return self.pack([self.store_plane(memoryview(plane)) for plane in planes], tail)
 
-    def _compress(self, plane: memoryview) -> bytes | memoryview | None:
-        """The plane compressed, or None if compressing it does not pay."""
-        if len(plane) > 4 * SAMPLE:
-            middle = len(plane) // 2
-            sample = plane[middle : middle + SAMPLE]
-            if len(self.inner.encode(sample)) >= KEEP_BELOW * len(sample):
-                return None
+    def pack(self, planes: list[StoredPlane], tail: np.ndarray | memoryview) -> bytes:
+        """Assemble a payload from stored planes and the tail bytes."""
+        sizes = [len(memoryview(p.data).cast("B")) | (_COMPRESSED if p.compressed else 0) | (XOR_BASE if p.xor else 0)
+                 for p in planes]
+        head = struct.pack(f"<B{self.typesize}I", self.typesize, *sizes)
+        return b"".join([head, *(p.data for p in planes), tail])
+
+    def store_plane(self, plane: memoryview, xor: bool = False, ratio: float | None = None) -> StoredPlane:
+        """``plane`` compressed if that pays, else raw (``ratio``: its sample ratio, if known)."""
+        packed = self.compress_if_pays(plane, ratio)
+        return StoredPlane(plane if packed is None else packed, packed is not None, xor)
+
+    def sample_ratio(self, plane: memoryview) -> float:
+        """Compressed / raw size of ``SAMPLE`` bytes of ``plane``, taken as ``PIECES`` pieces spread over it
+        (the whole plane if it is small). Spread pieces judge tensors whose halves differ (rows a batch
+        touched, rows it did not) where one piece from the middle misjudged them."""
+        n = len(plane)
+        if not n:
+            return 1.0
+        if n <= 4 * SAMPLE:
+            return len(self.inner.encode(plane)) / n
+        size = SAMPLE // PIECES
+        starts = ((2 * i + 1) * n // (2 * PIECES) for i in range(PIECES))
+        return sum(len(self.inner.encode(plane[start : start + size])) for start in starts) / (size * PIECES)
+
+    def compress_if_pays(self, plane: memoryview, ratio: float | None = None) -> bytes | memoryview | None:
+        """The plane compressed, or None if compressing it does not pay. ``ratio``: its sample ratio, if known."""
+        if len(plane) > 4 * SAMPLE and (self.sample_ratio(plane) if ratio is None else ratio) >= KEEP_BELOW:
+            return None
         packed = self.inner.encode(plane) if len(plane) else b""
         return packed if len(packed) < KEEP_BELOW * len(plane) else None
 
-    def decode(self, data: memoryview, out_size: int) -> memoryview:
-        count = data[0]
-        sizes = struct.unpack_from(f"<{count}I", data, 1)
-        if count != self.typesize:
-            raise ValueError(f"payload has {count} planes, spec says {self.typesize}")
-        plane_len = out_size // count
-        position = 1 + 4 * count
-        planes = []
-        for size in sizes:
-            length = size & ~_COMPRESSED
-            chunk = data[position : position + length]
-            plane = self.inner.decode(chunk, plane_len) if size & _COMPRESSED else chunk
+    def decode_planes(self, data: memoryview, out_size: int, only: set[int] | None = None
+                      ) -> tuple[list[np.ndarray | None], list[PlaneEntry], memoryview]:
+        """Decoded planes (None for planes not in ``only``), the table, and the tail bytes.
+
+        Planes stored raw are returned as read-only views of ``data``.
+        """
+        entries, tail_start = plane_table(data, self.typesize)
+        plane_len = out_size // self.typesize
+        planes: list[np.ndarray | None] = []
+        for k, entry in enumerate(entries):
+            if only is not None and k not in only:
+                planes.append(None)
+                continue
+            stored = data[entry.offset : entry.offset + entry.length]
+            plane = self.inner.decode(stored, plane_len) if entry.compressed else stored
             if len(plane) != plane_len:
-                raise ValueError(f"plane decoded to {len(plane)} bytes, expected {plane_len}")
+                raise ValueError(f"plane {k} decoded to {len(plane)} bytes, expected {plane_len}")
             planes.append(np.frombuffer(plane, dtype=np.uint8))
-            position += length
-        out = np.empty(out_size, dtype=np.uint8)
-        _interleave(planes, out[: plane_len * count])
-        tail = data[position:]
-        if len(tail) != out_size - plane_len * count:
+        tail = data[tail_start:]
+        if only is None and len(tail) != out_size - plane_len * self.typesize:
             raise ValueError("tail length does not match")
-        out[plane_len * count :] = np.frombuffer(tail, dtype=np.uint8)
-        return memoryview(out)
+        return planes, entries, tail
+
+    def decode(self, data: memoryview, out_size: int) -> memoryview:
+        planes, entries, tail = self.decode_planes(data, out_size)
+        if any(e.xor for e in entries):
+            raise ValueError("payload has planes XORed with a delta base, but its stage is not 'xplanes'")
+        return memoryview(assemble(planes, tail, np.empty(out_size, dtype=np.uint8)))  # type: ignore[arg-type]
 
     def spec(self) -> Spec:
         return {"id": self.id, "typesize": self.typesize, "inner": self.inner.spec()}
@@ -94,14 +163,26 @@ class BytePlanes(BytesStage):
         return cls(int(spec["typesize"]), stage_from_spec(spec["inner"]))
 
 
+def assemble(planes: list[np.ndarray], tail: memoryview | np.ndarray, out: np.ndarray) -> np.ndarray:
+    """Interleave ``planes`` and append ``tail`` into ``out`` (the inverse of :func:`split_planes`)."""
+    whole = len(planes) * len(planes[0]) if planes else 0
+    _interleave(planes, out[:whole])
+    out[whole:] = np.frombuffer(tail, dtype=np.uint8)
+    return out
+
+
 _local = threading.local()
 
 
-def _scratch(nbytes: int) -> np.ndarray:
-    """A per-thread reusable byte buffer of ``nbytes`` (a fresh one each call would page-fault every time)."""
-    buffer = getattr(_local, "buffer", None)
+def scratch(nbytes: int, name: str = "interleave") -> np.ndarray:
+    """A per-thread reusable byte buffer of ``nbytes`` per ``name`` (a fresh one each call would page-fault
+    every time). Valid until the same thread asks for the same name again."""
+    buffers = getattr(_local, "buffers", None)
+    if buffers is None:
+        buffers = _local.buffers = {}
+    buffer = buffers.get(name)
     if buffer is None or buffer.nbytes < nbytes:
-        buffer = _local.buffer = np.empty(nbytes, dtype=np.uint8)
+        buffer = buffers[name] = np.empty(nbytes, dtype=np.uint8)
     return buffer[:nbytes]
 
 
@@ -120,9 +201,9 @@ def _interleave(planes: list[np.ndarray], out: np.ndarray) -> None:
         out.reshape(-1, count)[...] = np.stack(planes, axis=1)
         return
     words = out.view(wide)
-    scratch = _scratch(words.nbytes).view(wide)
+    shifted = scratch(words.nbytes).view(wide)
     words[...] = planes[count - 1]
     for k in range(count - 2, -1, -1):
         np.left_shift(words, 8, out=words)
-        scratch[...] = planes[k]
-        np.bitwise_or(words, scratch, out=words)
+        shifted[...] = planes[k]
+        np.bitwise_or(words, shifted, out=words)

@@ -21,7 +21,7 @@ from . import FORMAT_VERSION
 
 MANIFEST_FORMAT = "ckptvault.manifest"
 #: optional features a manifest may declare in "requires"; a reader refuses any it does not know
-KNOWN_FEATURES = frozenset({"lossy"})
+KNOWN_FEATURES = frozenset({"lossy", "xplanes"})
 _PREFIX = b'{"blake3":"'
 _MIDDLE = b'","manifest":'
 _BODY_START = len(_PREFIX) + 64 + len(_MIDDLE)

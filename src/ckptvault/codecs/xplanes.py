@@ -1,0 +1,84 @@
+"""Plane deltas (``xplanes``): byte planes, each stored either on its own or XORed with the base chunk's plane.
+
+A delta of two nearby float states pays only in some planes: XOR leaves the
+sign and exponent plane (and, for small updates, the high mantissa plane)
+mostly zero, while the low mantissa planes are noise either way. Choosing per
+plane keeps the XOR only where it compresses better than the plane on its
+own, so restoring the chunk needs just those planes of the base, which a
+reader fetches by range; the noise planes come from the delta alone.
+
+The payload is a ``planes`` payload (see ``planes.py``) whose table marks each
+XORed plane with bit 30. The stage cannot run without the base's planes, so it
+has no plain :meth:`encode`/:meth:`decode`: the save pipeline calls
+:meth:`encode_against` and ``Vault.read_chunk`` calls :meth:`decode_against`.
+Readers that do not know the ``xplanes`` id refuse the chunk as written by a
+newer version.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from .planes import KEEP_BELOW, BytePlanes, StoredPlane, assemble, scratch, split_planes
+
+#: a candidate whose sample compresses to under this fraction of the other's is chosen without
+#: compressing the other; closer calls compress both and keep the smaller
+CLEAR_WIN = 0.9
+
+
+class PlaneDelta(BytePlanes):
+    id = "xplanes"
+
+    def encode(self, data: memoryview) -> bytes:
+        raise ValueError("an xplanes payload is made against a base chunk's planes: use encode_against()")
+
+    def decode(self, data: memoryview, out_size: int) -> memoryview:
+        raise ValueError("an xplanes payload needs its base chunk's planes: read the chunk with Vault.read_chunk()")
+
+    def encode_against(self, data: memoryview, base_planes: Sequence[np.ndarray]) -> tuple[bytes, bool]:
+        """(payload, whether any plane is XORed) for ``data`` against the base chunk's planes.
+
+        With no plane XORed the payload reads as a plain ``planes`` payload and
+        the chunk needs no base.
+        """
+        planes, tail = split_planes(data, self.typesize)
+        if len(base_planes) != self.typesize or any(len(b) != planes.shape[1] for b in base_planes):
+            raise ValueError("base planes do not match the chunk's element count")
+        stored = [self._choose(memoryview(planes[k]), base_planes[k]) for k in range(self.typesize)]
+        return self.pack(stored, tail), any(p.xor for p in stored)
+
+    def _choose(self, plane: memoryview, base: np.ndarray) -> StoredPlane:
+        """The smaller of ``plane`` stored on its own and ``plane`` XOR ``base``; an XOR must compress to win.
+
+        Judged on samples: a plane whose samples both stay above ``KEEP_BELOW`` is stored raw, on its own;
+        where one sample is clearly smaller only that one is compressed; otherwise both are, and compared.
+        """
+        xored = memoryview(np.bitwise_xor(np.frombuffer(plane, dtype=np.uint8), base))
+        own, delta = self.sample_ratio(plane), self.sample_ratio(xored)
+        if min(own, delta) >= KEEP_BELOW:
+            return StoredPlane(plane)
+        if delta < CLEAR_WIN * own:
+            chosen = self.store_plane(xored, xor=True, ratio=delta)
+            return chosen if chosen.compressed else StoredPlane(plane)
+        alone = self.store_plane(plane, ratio=own)
+        if own < CLEAR_WIN * delta:
+            return alone
+        chosen = self.store_plane(xored, xor=True, ratio=delta)
+        return chosen if chosen.compressed and _size(chosen) < _size(alone) else alone
+
+    def decode_against(self, data: memoryview, out_size: int, base_planes: Mapping[int, np.ndarray]) -> memoryview:
+        """Invert :meth:`encode_against`; ``base_planes`` holds at least the base's planes that are XORed."""
+        planes, entries, tail = self.decode_planes(data, out_size)
+        for k, entry in enumerate(entries):
+            if entry.xor:
+                base = base_planes.get(k)
+                if base is None or len(base) != len(planes[k]):  # type: ignore[arg-type]
+                    raise ValueError(f"plane {k} is XORed with the base, but the base's plane {k} is missing")
+                planes[k] = np.bitwise_xor(planes[k], base, out=scratch(len(base), f"xor{k}"))
+        return memoryview(assemble(planes, tail, np.empty(out_size, dtype=np.uint8)))  # type: ignore[arg-type]
+
+
+def _size(plane: StoredPlane) -> int:
+    return len(memoryview(plane.data).cast("B"))

@@ -1,0 +1,147 @@
+"""Reading delta bases: a base chunk's byte planes, whole and verified for a save, by range for a restore.
+
+A plane delta (``codecs/xplanes.py``) needs only the base's planes that it
+XORs. A restore reads the base's header and plane table, then one range
+holding those planes, so a delta chunk costs about as much I/O as a full
+one. A save reads the whole base and checks it against its hash before
+encoding against it, so a delta is never built on damaged bytes.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .codecs import stage_from_spec
+from .codecs.planes import BytePlanes, assemble, plane_table, scratch, split_planes
+from .codecs.xplanes import PlaneDelta
+from .errors import CorruptChunkError, ObjectNotFoundError
+from .format.chunk_object import ChunkHeader, chunk_id, chunk_key, decode_payload, header_length, parse_object
+from .stores import Store
+
+#: bytes read first from a base: the fixed prefix, the JSON header and the plane table fit in it
+HEAD_READ = 4096
+_MISMATCH = "BLAKE3 hash of the decoded bytes does not match the chunk name"
+
+
+def is_plane_delta(header: ChunkHeader) -> bool:
+    return header.base is not None and len(header.codec) == 1 and header.codec[0].get("id") == PlaneDelta.id
+
+
+def base_planes_for_save(store: Store, base_id: str, typesize: int) -> list[np.ndarray]:
+    """Every byte plane of full chunk ``base_id``, checked against its hash.
+
+    Raises ObjectNotFoundError if it is gone, CorruptChunkError if it is damaged or is itself a delta.
+    """
+    header, payload = parse_object(base_id, store.get(chunk_key(base_id)))
+    if header.base is not None:
+        raise CorruptChunkError(base_id, "it is itself a delta, so it cannot be a delta base")
+    stage = _planes_stage(header)
+    if stage is None or stage.typesize != typesize:
+        return list(split_planes(decode_payload(base_id, header, payload), typesize)[0])
+    try:
+        planes, _entries, tail = stage.decode_planes(payload, header.raw)
+    except Exception as exc:  # any decoder failure means damaged bytes
+        raise CorruptChunkError(base_id, f"payload does not decode ({type(exc).__name__}: {exc})") from None
+    if chunk_id(assemble(planes, tail, scratch(header.raw, "verify"))) != base_id:  # type: ignore[arg-type]
+        raise CorruptChunkError(base_id, _MISMATCH)
+    return planes  # type: ignore[return-value]
+
+
+def read_plane_delta(store: Store, cid: str, header: ChunkHeader, payload: memoryview) -> memoryview:
+    """Raw bytes of plane-delta chunk ``cid``, verified. Raises CorruptChunkError naming the damaged object."""
+    assert header.base is not None
+    try:
+        stage = PlaneDelta.from_spec(header.codec[0])
+        entries, _ = plane_table(payload, stage.typesize)
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CorruptChunkError(cid, f"payload does not decode ({type(exc).__name__}: {exc})") from None
+    needed = [k for k, entry in enumerate(entries) if entry.xor]
+    base = _base_planes_by_range(store, cid, header.base, stage.typesize, needed, header.raw)
+    try:
+        data = stage.decode_against(payload, header.raw, base)
+    except Exception as exc:
+        raise CorruptChunkError(cid, f"payload does not decode ({type(exc).__name__}: {exc})") from None
+    if chunk_id(data) != cid:
+        _blame_base(store, cid, header.base)
+        raise CorruptChunkError(cid, _MISMATCH)
+    return data
+
+
+def _base_planes_by_range(store: Store, cid: str, base_id: str, typesize: int, needed: list[int],
+                          raw_size: int) -> dict[int, np.ndarray]:
+    """Planes ``needed`` of base ``base_id``, read with as few ranged reads as the base's layout allows."""
+    if not needed:
+        return {}
+    key = chunk_key(base_id)
+    try:
+        head = store.get_range(key, 0, HEAD_READ)
+        start = header_length(head) if len(head) >= 8 else 0
+        if start + 1 + 4 * typesize > len(head):
+            head = store.get_range(key, 0, start + 1 + 4 * typesize)
+        base_header, table = parse_object(base_id, head)
+    except ObjectNotFoundError:
+        raise CorruptChunkError(cid, f"its delta base {base_id} is missing") from None
+    except CorruptChunkError as exc:
+        raise CorruptChunkError(cid, f"its delta base {base_id} is corrupt: {exc.reason}") from None
+    if base_header.base is not None:
+        raise CorruptChunkError(cid, f"its delta base {base_id} is itself a delta (chains are limited to 1)")
+    if base_header.raw != raw_size:
+        raise CorruptChunkError(cid, f"its delta base {base_id} holds {base_header.raw} bytes, the delta {raw_size}")
+    stage = _planes_stage(base_header)
+    try:
+        if stage is None or stage.typesize != typesize:  # stored raw or in another layout: read it whole
+            whole = _decode_whole(store, key, base_id)
+            planes = split_planes(whole, typesize)[0]
+            return {k: planes[k] for k in needed}
+        return _ranged_planes(store, key, start, stage, plane_table(table, typesize)[0], needed, raw_size // typesize)
+    except CorruptChunkError as exc:
+        raise CorruptChunkError(cid, f"its delta base {base_id} is corrupt: {exc.reason}") from None
+    except ObjectNotFoundError:
+        raise CorruptChunkError(cid, f"its delta base {base_id} is missing") from None
+    except ValueError as exc:
+        raise CorruptChunkError(cid, f"its delta base {base_id} is corrupt: {exc}") from None
+
+
+def _ranged_planes(store: Store, key: str, payload_start: int, stage: BytePlanes, entries: list, needed: list[int],
+                   plane_len: int) -> dict[int, np.ndarray]:
+    first = min(entries[k].offset for k in needed)
+    last = max(entries[k].offset + entries[k].length for k in needed)
+    span = memoryview(store.get_range(key, payload_start + first, last - first))
+    if len(span) != last - first:
+        raise ValueError(f"object ends {last - first - len(span)} bytes before its plane table says")
+    planes = {}
+    for k in needed:
+        entry = entries[k]
+        stored = span[entry.offset - first : entry.offset - first + entry.length]
+        try:
+            plane = stage.inner.decode(stored, plane_len) if entry.compressed else stored
+        except Exception as exc:  # any decoder failure means damaged bytes
+            raise ValueError(f"plane {k} does not decode ({type(exc).__name__}: {exc})") from None
+        if len(plane) != plane_len:
+            raise ValueError(f"plane {k} decoded to {len(plane)} bytes, expected {plane_len}")
+        planes[k] = np.frombuffer(plane, dtype=np.uint8)
+    return planes
+
+
+def _decode_whole(store: Store, key: str, base_id: str) -> bytes | memoryview:
+    header, payload = parse_object(base_id, store.get(key))
+    return decode_payload(base_id, header, payload, verify=False)  # the delta's own hash check covers it
+
+
+def _blame_base(store: Store, cid: str, base_id: str) -> None:
+    """After a delta failed its hash check: raise naming the base if the base is the damaged object."""
+    try:
+        header, payload = parse_object(base_id, store.get(chunk_key(base_id)))
+        decode_payload(base_id, header, payload)
+    except CorruptChunkError as exc:
+        raise CorruptChunkError(cid, f"its delta base {base_id} is corrupt: {exc.reason}") from None
+    except ObjectNotFoundError:
+        raise CorruptChunkError(cid, f"its delta base {base_id} is missing") from None
+
+
+def _planes_stage(header: ChunkHeader) -> BytePlanes | None:
+    """The chunk's byte-planes stage if that is its whole codec chain, else None."""
+    if len(header.codec) != 1 or header.codec[0].get("id") != BytePlanes.id:
+        return None
+    stage = stage_from_spec(header.codec[0])
+    return stage if isinstance(stage, BytePlanes) else None
