@@ -13,7 +13,8 @@ Three parts (``--parts``):
 * ``throughput``: the same +10 state, one thread, per tensor group (weights, exp_avg, exp_avg_sq): the
   lossless default (zstd byte planes over 4 MiB slices, as a save chunks) vs each lossy codec through
   ``encode_safely`` (error measurement and fallbacks included) followed by that lossless codec on what it
-  stores. Residuals are against the +0 keyframe. Best of ``--reps``.
+  stores. Residuals are against the +0 keyframe. Best of ``--reps``. Lossy outputs go to buffers kept
+  from one rep to the next (``LossyBuffers``), as asynchronous saves keep them from one save to the next.
 * ``fidelity``: a GPT of ``--train-size`` (default ``dev``: 9M parameters, the full model trains at seconds
   per step on 2 shared cores) trained ``--warmup`` steps; its state 10 steps earlier is saved as the
   keyframe and the state at ``--warmup`` as the checkpoint with each preset, restored, and trained on for
@@ -49,6 +50,7 @@ from ckptvault.codecs import chain_for, encode_chain  # noqa: E402
 from ckptvault.demo.data import batch, stdlib_bytes  # noqa: E402
 from ckptvault.demo.model import GPT, num_params  # noqa: E402
 from ckptvault.lossy import SafetyPolicy, encode_safely, parse_codec  # noqa: E402
+from ckptvault.lossy_stage import LossyBuffers  # noqa: E402
 from ckptvault.presets import PRESETS  # noqa: E402
 from common import fresh_dir, machine  # noqa: E402
 from workloads import OUT_DIR, SIZES, W1_BATCH, W1_LR, assert_same_tensors, tensor_leaves  # noqa: E402
@@ -111,10 +113,14 @@ def lossless_bytes(t: torch.Tensor, codec: str = "zstd") -> int:
     return sum(len(encode_chain(raw[s : s + SLICE], stages)[1]) for s in range(0, raw.nbytes, SLICE))
 
 
+#: output memory kept from one rep to the next, as an asynchronous save keeps it from one save to the next
+BUFFERS = LossyBuffers()
+
+
 def lossy_bytes(path: str, t: torch.Tensor, codec: str, base: torch.Tensor | None) -> tuple[int, str]:
     spec, lossless = parse_codec(codec, "zstd")
     assert spec is not None
-    encoded, _notes = encode_safely(path, t, spec, SafetyPolicy(), base)
+    encoded, _notes = encode_safely(path, t, spec, SafetyPolicy(), base, BUFFERS.allocator(f"{codec}/{path}"))
     if encoded is None:
         return lossless_bytes(t, lossless), "lossless"
     return sum(lossless_bytes(p, lossless) for p in encoded.parts.values()), encoded.spec.name

@@ -29,6 +29,7 @@ from ckptvault.diff import diff_steps
 from ckptvault.errors import InvalidArgumentError
 from ckptvault.gc import collect
 from ckptvault.lossy import LossyCodecError
+from ckptvault.lossy_stage import LossyBuffers
 from ckptvault.restore import read_into
 from ckptvault.rules import CodecRules
 from ckptvault.tree import leaf_paths
@@ -492,3 +493,48 @@ def test_show_prints_codec_error_and_fallback_notes(run: list[dict[str, Any]], t
 
 def cli(*args: object) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "ckptvault", *map(str, args)], capture_output=True, text=True, timeout=120)
+
+
+# -- output buffers reused across saves ------------------------------------------------------------------
+def test_casts_into_reused_buffers_round_exactly_as_to_does() -> None:
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(10_000, generator=gen) * torch.logspace(-30, 30, 10_000)
+    x[:8] = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), float("nan"), 3.0e38, 1e-45, 65520.0])
+    buffers = LossyBuffers()
+    for spec, dtype in ((lossy.LossySpec("bf16"), torch.bfloat16), (lossy.LossySpec("fp16"), torch.float16)):
+        q = lossy.encode(x, spec, alloc=buffers.allocator("x")).parts["q"]
+        expected = x.to(dtype)
+        assert q.dtype == dtype and torch.equal(q.view(torch.int16), expected.view(torch.int16))
+
+
+def test_asynchronous_lossy_saves_reuse_their_output_memory_and_keep_each_checkpoint_right(
+        run: list[dict[str, Any]], tmp_path: Path) -> None:
+    rules = {"optimizer.state.*.exp_avg": "int8-block", "*": "bf16"}
+    with CheckpointManager(tmp_path / "v", codec_rules=rules, chunk_size=CHUNK) as mgr:
+        buffers = mgr._saver._lossy_buffers
+        pointers = []
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # small moments may fall back from int8 to bf16
+            for step in (3, 4, 5):
+                mgr.save(step, run[step]).wait()
+                pointers.append({k: b.data_ptr() for k, b in buffers._buffers.items()})
+        assert pointers[0] and pointers[0] == pointers[1] == pointers[2]  # steady state: nothing reallocated
+        held = buffers.nbytes
+        lossy_bytes = sum(r["nbytes"] for r in mgr.manifest(5)["tensors"] if codec_of(r) != "lossless")
+        assert lossy_bytes <= held <= 1.01 * lossy_bytes + 4096
+        for step in (3, 4, 5):  # later saves overwrote the buffers; every committed checkpoint is still its own
+            expected = decode_stored(mgr, step)
+            restored = leaves(mgr.restore(step))
+            for path, values in expected.items():
+                assert np.array_equal(restored[path].numpy(), values), path
+        mgr.save(6, {"other": torch.ones(1000)}).wait()
+        assert [k[0] for k in buffers._buffers] == ["other"]  # the old state's buffers were released
+
+
+def test_synchronous_saves_do_not_hold_lossy_memory(run: list[dict[str, Any]], tmp_path: Path) -> None:
+    with CheckpointManager(tmp_path / "v", codec_rules={"*": "bf16"}, async_save=False) as mgr:
+        mgr.save(1, run[1])
+        assert mgr._saver._lossy_buffers.nbytes == 0
+        restored = leaves(mgr.restore(1))
+        for path, values in decode_stored(mgr, 1).items():
+            assert np.array_equal(restored[path].numpy(), values), path

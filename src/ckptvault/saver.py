@@ -30,7 +30,7 @@ from .errors import InvalidArgumentError
 from .handle import SaveHandle
 from .info import info_from_manifest
 from .lossy import SafetyPolicy
-from .lossy_stage import apply_lossy
+from .lossy_stage import LossyBuffers, apply_lossy
 from .rules import CodecRules
 from .save import build_manifest, commit, write_chunks
 from .snapshot import Snapshot, take_snapshot
@@ -67,6 +67,7 @@ class Saver:
         self.after_commit = after_commit
         self.safety = safety or SafetyPolicy()
         self._staging = StagingBuffer()
+        self._lossy_buffers = LossyBuffers()  # with the staging buffer: asynchronous saves reuse their memory
         self._executor: ThreadPoolExecutor | None = None
         self._inflight: SaveHandle | None = None
         self._task: Future[None] | None = None
@@ -108,7 +109,8 @@ class Saver:
         """Steps after the snapshot. Never raises: the outcome goes to the handle (and errors to pending)."""
         try:
             delta = delta_context(self.vault, self.delta_policy, request.step)
-            snapshot = apply_lossy(snapshot, self.safety, request.lossless, self.vault, delta.keyframe)
+            buffers = self._lossy_buffers if snapshot.staged else None
+            snapshot = apply_lossy(snapshot, self.safety, request.lossless, self.vault, delta.keyframe, buffers)
             chunks, pieces = write_chunks(self.vault, snapshot, request.progress, delta)
             manifest = build_manifest(request.step, snapshot, chunks, pieces, request.metrics, request.metadata,
                                       delta.keyframe_step, delta.since_keyframe)
