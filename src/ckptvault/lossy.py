@@ -142,14 +142,19 @@ def encode(t: torch.Tensor, spec: LossySpec, base: torch.Tensor | None = None, g
     says ``"partial": True`` (the result is unsafe for any ``max_flushed <= give_up``).
     """
     base = base if spec.kind == "residual-int8" else None  # only a residual has a base
+    fast = t.dtype == torch.float32 and (base is None or base.dtype == torch.float32)
     if spec.kind in ("bf16", "fp16"):  # copy_ rounds to nearest even, exactly as .to() does
-        parts = {"q": alloc("q", tuple(t.shape), _CAST[spec.kind]).copy_(t)}
+        q = alloc("q", tuple(t.shape), _CAST[spec.kind])
+        if fast:  # cast block by block while measuring, so each block is read from memory once
+            parts = {"q": q}
+            return Encoded(spec, parts, _measure_parts(t.reshape(-1), spec, parts, None, give_up, cast=True))
+        parts = {"q": q.copy_(t)}
     elif spec.kind == "int8-block":
         parts = _int8_block(t.reshape(-1), spec.block, alloc)
     else:
         assert base is not None, "residual-int8 needs the keyframe tensor"
         parts = _int8_block((t.float() - base.float()).reshape(-1), spec.block, alloc)
-    if t.dtype == torch.float32 and (base is None or base.dtype == torch.float32):
+    if fast:
         return Encoded(spec, parts, _measure_parts(t.reshape(-1), spec, parts, base, give_up))
     restored = decode(spec, parts, t.dtype, list(t.shape), base)
     return Encoded(spec, parts, measure(t, restored))
@@ -196,6 +201,7 @@ def _int8_unblock(q: torch.Tensor, scale: torch.Tensor, block: int, numel: int) 
 
 
 _MEASURE_BLOCK = 1 << 20  # elements per block of the fast measurement (4 MiB of float32 scratch)
+_CAST_BLOCK = 1 << 18  # elements per block of a bf16/fp16 cast and its measurement: small enough to stay in cache
 _local = threading.local()
 _TINY = 2.0**-60  # a block's sum of squares above this: squares that underflow (< 2^-126 each) are negligible
 
@@ -211,8 +217,11 @@ def _scratch(name: str, rows: int, n: int, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _measure_parts(flat: torch.Tensor, spec: LossySpec, parts: dict[str, torch.Tensor],
-                   base: torch.Tensor | None, give_up: float | None = None) -> dict[str, float]:
+                   base: torch.Tensor | None, give_up: float | None = None, cast: bool = False) -> dict[str, float]:
     """``measure(flat, decode(spec, parts, ...))`` for float32 ``flat``, without full-size temporaries.
+
+    ``cast`` (bf16/fp16): ``parts["q"]`` is still empty; each block is cast into it just before it is
+    measured, while the block is in cache (all of it is cast even when measuring stops early).
 
     Each block is decoded into a scratch buffer exactly as :func:`decode` computes it. Sums of squares
     are float32 dot products (relative error ~1e-5). A block whose sums or extremes are not finite, or
@@ -220,7 +229,7 @@ def _measure_parts(flat: torch.Tensor, spec: LossySpec, parts: dict[str, torch.T
     again in float64 (as :func:`measure` does).
     """
     n = flat.numel()
-    step = _MEASURE_BLOCK if spec.kind in ("bf16", "fp16") else max(1, _MEASURE_BLOCK // spec.block) * spec.block
+    step = _CAST_BLOCK if spec.kind in ("bf16", "fp16") else max(1, _MEASURE_BLOCK // spec.block) * spec.block
     scratch = _scratch("measure", 3, min(step, n), torch.float32)
     flags = _scratch("flags", 2, min(step, n), torch.bool)
     base_flat = None if base is None else base.reshape(-1)
@@ -228,9 +237,14 @@ def _measure_parts(flat: torch.Tensor, spec: LossySpec, parts: dict[str, torch.T
     for start in range(0, n, step):
         a = flat[start : start + step]
         restored, diff, squares = (buf[: a.numel()] for buf in scratch)
+        if cast:
+            parts["q"].view(-1)[start : start + step].copy_(a)
         _decode_range(spec, parts, start, base_flat, restored)
-        total.add(a, restored, diff, squares, flags[:, : a.numel()], spec.kind != "residual-int8")
+        zeros = _cast_has_zeros(parts["q"].view(-1)[start : start + step], squares) if cast else None
+        total.add(a, restored, diff, squares, flags[:, : a.numel()], spec.kind != "residual-int8", zeros)
         if give_up is not None and (total.overflow or total.nan or total.flushed > give_up * n) and start + step < n:
+            if cast:
+                parts["q"].view(-1)[start + step :].copy_(flat[start + step :])
             return {**total.result(), "partial": True}  # certainly unsafe: the rest would not change that
     return total.result()
 
@@ -250,6 +264,13 @@ def _decode_range(spec: LossySpec, parts: dict[str, torch.Tensor], start: int, b
         torch.add(base[start : start + out.numel()], out, out=out)
 
 
+def _cast_has_zeros(q: torch.Tensor, scratch: torch.Tensor) -> bool | None:
+    """False if 16-bit float ``q`` certainly has no zero (either sign), else None (count them). On the int16
+    view, whose abs is <= 0 only for +0.0 (0) and -0.0 (-32768 stays negative): half the bytes of float32."""
+    bits = q.view(torch.int16)
+    return None if int(torch.abs(bits, out=scratch.view(torch.int16)[: bits.numel()]).amin()) <= 0 else False
+
+
 def _zeros(x: torch.Tensor, scratch: torch.Tensor) -> int:
     """How many elements of float32 ``x`` are zero (either sign). |x| goes to ``scratch``; the count runs
     only if its minimum is 0, on the int32 view (3x faster than counting floats)."""
@@ -266,12 +287,13 @@ class _Totals:
         self.flushed = self.nonzero = self.overflow = self.nan = 0
 
     def add(self, a: torch.Tensor, b: torch.Tensor, diff: torch.Tensor, squares: torch.Tensor,
-            flags: torch.Tensor, keeps_zeros: bool) -> None:
-        """Add block ``a`` (original) / ``b`` (restored); ``keeps_zeros``: ``a == 0`` implies ``b == 0``."""
+            flags: torch.Tensor, keeps_zeros: bool, b_has_zeros: bool | None = None) -> None:
+        """Add block ``a`` (original) / ``b`` (restored); ``keeps_zeros``: ``a == 0`` implies ``b == 0``;
+        ``b_has_zeros=False``: already known, so ``b``'s zeros are not counted."""
         torch.sub(b, a, out=diff)
         lo, hi = (float(v) for v in torch.aminmax(diff))
         err, ref = float(torch.dot(diff, diff)), float(torch.dot(a, a))
-        zeros = _zeros(b, squares)
+        zeros = 0 if b_has_zeros is False else _zeros(b, squares)
         exact_zeros = keeps_zeros and not zeros  # then a has no zeros either: no need to look
         nonzero = a.numel() - (0 if exact_zeros else _zeros(a, squares))
         if not all(math.isfinite(v) for v in (lo, hi, err, ref)) or (ref < _TINY and nonzero):
