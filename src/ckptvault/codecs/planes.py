@@ -55,11 +55,27 @@ class StoredPlane:
     xor: bool = False
 
 
-def split_planes(data: bytes | memoryview, typesize: int) -> tuple[np.ndarray, np.ndarray]:
-    """(planes, tail): a C-contiguous ``typesize x n`` array of byte planes, and the bytes past the last element."""
+def split_planes(data: bytes | memoryview, typesize: int, out: np.ndarray | None = None
+                 ) -> tuple[np.ndarray, np.ndarray]:
+    """(planes, tail): a C-contiguous ``typesize x n`` array of byte planes, and the bytes past the last element.
+
+    ``out``: where to put the planes (at least ``typesize * n`` bytes; e.g. a :func:`scratch` buffer when
+    the planes are consumed before the thread splits again); default: new memory.
+    """
     arr = np.frombuffer(data, dtype=np.uint8)
-    whole = len(arr) - len(arr) % typesize
-    planes = arr[:whole].reshape(-1, typesize).T.copy()  # one transposed copy: ~3x faster than per-plane gathers
+    count = len(arr) // typesize
+    whole = count * typesize
+    planes = np.empty((typesize, count), np.uint8) if out is None else out[:whole].reshape(typesize, count)
+    wide = _UINT.get(typesize)
+    if wide is None:
+        planes[...] = arr[:whole].reshape(-1, typesize).T
+        return planes, arr[whole:]
+    words = arr[:whole].view(wide)  # plane k is byte k of each little-endian word: shift, then truncate
+    planes[0] = words
+    shifted = scratch(words.nbytes, "split").view(wide)
+    for k in range(1, typesize):
+        np.right_shift(words, 8 * k, out=shifted)
+        planes[k] = shifted
     return planes, arr[whole:]
 
 
@@ -91,7 +107,7 @@ class BytePlanes(BytesStage):
         self.typesize, self.inner = typesize, inner
 
     def encode(self, data: memoryview) -> bytes:
-        planes, tail = split_planes(data, self.typesize)
+        planes, tail = split_planes(data, self.typesize, scratch(len(data), "planes"))  # joined before returning
         return self.pack([self.store_plane(memoryview(plane)) for plane in planes], tail)
 
     def pack(self, planes: list[StoredPlane], tail: np.ndarray | memoryview) -> bytes:

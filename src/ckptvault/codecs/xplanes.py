@@ -43,7 +43,7 @@ class PlaneDelta(BytePlanes):
         With no plane XORed the payload reads as a plain ``planes`` payload and
         the chunk needs no base.
         """
-        planes, tail = split_planes(data, self.typesize)
+        planes, tail = split_planes(data, self.typesize, scratch(len(data), "planes"))  # joined before returning
         if len(base_planes) != self.typesize or any(len(b) != planes.shape[1] for b in base_planes):
             raise ValueError("base planes do not match the chunk's element count")
         stored = [self._choose(memoryview(planes[k]), base_planes[k]) for k in range(self.typesize)]
