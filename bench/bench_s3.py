@@ -111,7 +111,7 @@ def boto3_run(gw: Gateway, state: Any, scratch: Path, t: dict[str, Timing]) -> i
 def ckptvault_run(gw: Gateway, states: wi.States, t: dict[str, Timing], codec: str, chunk_mib: int) -> dict[str, int]:
     """First save, incremental save, and both restores (fresh manager) into new tensors, checked bit for bit."""
     url = f"s3://{BUCKET}/vault-{uuid.uuid4().hex[:8]}"
-    with CheckpointManager(url, storage_options=gw.options(), codec=codec, chunk_size=chunk_mib << 20) as mgr:
+    with CheckpointManager(url, storage_options=gw.options(), codec=codec, chunk_size=chunk_mib << 20 or None) as mgr:
         time_it(t["first_save"], lambda: mgr.save(0, states[0]).wait())
         time_it(t["incremental_save"], lambda: mgr.save(1, states[1]).wait())
         sizes = {"first_stored": mgr.info(0).stored_bytes, "incremental_added": mgr.info(1).added_bytes}
@@ -134,7 +134,7 @@ def main() -> None:
     parser.add_argument("--size", default="full", choices=["full", "dev", "tiny"])
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--codec", default="zstd", help="vault codec (zstd, lz4, none)")
-    parser.add_argument("--chunk-mib", type=int, default=4, help="vault chunk size in MiB")
+    parser.add_argument("--chunk-mib", type=int, default=16, help="vault chunk size in MiB (16: the S3 default)")
     parser.add_argument("--endpoint", default=None, help="an S3 endpoint to use instead of starting Ceph RGW")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")

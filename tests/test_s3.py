@@ -299,6 +299,15 @@ def test_checkpoint_manager_end_to_end_on_s3(rgw: Gateway, s3_url: str) -> None:
             fresh.restore(2)
 
 
+def test_new_vaults_on_s3_use_16_mib_chunks_unless_told(rgw: Gateway, s3_url: str) -> None:
+    with CheckpointManager(s3_url + "/default", storage_options=rgw.options()) as mgr:
+        mgr.save(1, {"x": torch.zeros(10)}).wait()
+        assert mgr.vault.require()["chunk_size"] == 16 << 20
+    with CheckpointManager(s3_url + "/chosen", storage_options=rgw.options(), chunk_size=1 << 20) as mgr:
+        mgr.save(1, {"x": torch.zeros(10)}).wait()
+        assert mgr.vault.require()["chunk_size"] == 1 << 20
+
+
 # -- the seed's example workflow as one command -------------------------------------------------
 def test_demo_workflow_on_s3(rgw: Gateway, s3_url: str) -> None:
     """`ckptvault demo --store s3://...`: checkpoints every 2 steps, async saves, fp16 weights with LZ4, retention."""

@@ -84,8 +84,14 @@ class Vault:
             raise VaultNotFoundError(f"no ckptvault vault at {self.url} (nothing was saved there yet)")
         return desc
 
-    def create(self, chunk_size: int = DEFAULT_CHUNK_SIZE, codec: str = DEFAULT_CODEC) -> dict[str, Any]:
-        """Create the descriptor unless it exists (safe when several processes race); return it."""
+    def default_chunk_size(self) -> int:
+        """Chunk size of a new vault when none is given: the store's preference (S3: 16 MiB), else 4 MiB."""
+        return int(getattr(self.store, "preferred_chunk_size", 0) or DEFAULT_CHUNK_SIZE)
+
+    def create(self, chunk_size: int | None = None, codec: str = DEFAULT_CODEC) -> dict[str, Any]:
+        """Create the descriptor unless it exists (safe when several processes race); return it.
+        ``chunk_size`` None: :meth:`default_chunk_size`."""
+        chunk_size = self.default_chunk_size() if chunk_size is None else chunk_size
         if chunk_size % 64 or not MIN_CHUNK_SIZE <= chunk_size <= MAX_CHUNK_SIZE:
             raise InvalidArgumentError(
                 f"chunk_size must be a multiple of 64 between {MIN_CHUNK_SIZE} and {MAX_CHUNK_SIZE}, got {chunk_size}"
