@@ -459,8 +459,19 @@ def test_a_certainly_unsafe_result_is_not_measured_to_the_end() -> None:
     with pytest.warns(RuntimeWarning, match="kept because"):
         kept, _ = lossy.encode_safely("m", tiny, lossy.LossySpec("fp16"), lossy.SafetyPolicy("keep"))
     assert kept is not None and "partial" not in kept.error and kept.error["flushed"] == 1.0
-    stopped = lossy.encode(tiny, lossy.LossySpec("fp16"), give_up=0.05)  # cast block by block, stopped early:
-    assert stopped.error["partial"] and torch.equal(stopped.parts["q"], tiny.to(torch.float16))  # all of it cast
+    stopped = lossy.encode(tiny, lossy.LossySpec("fp16"), give_up=0.05)  # cast block by block, stopped early
+    assert stopped.error["partial"]
+    first = lossy._CAST_BLOCK
+    assert torch.equal(stopped.parts["q"][:first], tiny[:first].to(torch.float16))  # the block that decided it
+    for policy in ("fallback", "fail", "keep"):  # a partial result is never stored
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)
+                kept, _ = lossy.encode_safely("m", tiny, lossy.LossySpec("fp16"), lossy.SafetyPolicy(policy))
+        except LossyCodecError:
+            continue
+        assert kept is not None and "partial" not in kept.error
+        assert torch.equal(kept.parts["q"], tiny.to(kept.parts["q"].dtype))
 
 
 # -- entry points -------------------------------------------------------------------------------------------

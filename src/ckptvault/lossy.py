@@ -139,7 +139,8 @@ def encode(t: torch.Tensor, spec: LossySpec, base: torch.Tensor | None = None, g
     block in scratch buffers (:func:`_measure_parts`), others through a full decode and :func:`measure`.
     ``give_up``: stop measuring a float32 tensor as soon as more than this fraction of all its values is
     known to be flushed, or one overflowed or became NaN; the error then covers the blocks measured and
-    says ``"partial": True`` (the result is unsafe for any ``max_flushed <= give_up``).
+    says ``"partial": True`` (the result is unsafe for any ``max_flushed <= give_up``, and a bf16/fp16
+    result is cast only as far as it was measured: such a result is for deciding, never for storing).
     """
     base = base if spec.kind == "residual-int8" else None  # only a residual has a base
     fast = t.dtype == torch.float32 and (base is None or base.dtype == torch.float32)
@@ -221,7 +222,7 @@ def _measure_parts(flat: torch.Tensor, spec: LossySpec, parts: dict[str, torch.T
     """``measure(flat, decode(spec, parts, ...))`` for float32 ``flat``, without full-size temporaries.
 
     ``cast`` (bf16/fp16): ``parts["q"]`` is still empty; each block is cast into it just before it is
-    measured, while the block is in cache (all of it is cast even when measuring stops early).
+    measured, while the block is in cache. When measuring stops early, the rest is never cast.
 
     Each block is decoded into a scratch buffer exactly as :func:`decode` computes it. Sums of squares
     are float32 dot products (relative error ~1e-5). A block whose sums or extremes are not finite, or
@@ -243,8 +244,6 @@ def _measure_parts(flat: torch.Tensor, spec: LossySpec, parts: dict[str, torch.T
         zeros = _cast_has_zeros(parts["q"].view(-1)[start : start + step], squares) if cast else None
         total.add(a, restored, diff, squares, flags[:, : a.numel()], spec.kind != "residual-int8", zeros)
         if give_up is not None and (total.overflow or total.nan or total.flushed > give_up * n) and start + step < n:
-            if cast:
-                parts["q"].view(-1)[start + step :].copy_(flat[start + step :])
             return {**total.result(), "partial": True}  # certainly unsafe: the rest would not change that
     return total.result()
 
