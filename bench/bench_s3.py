@@ -108,10 +108,12 @@ def boto3_run(gw: Gateway, state: Any, scratch: Path, t: dict[str, Timing]) -> i
     return size
 
 
-def ckptvault_run(gw: Gateway, states: wi.States, t: dict[str, Timing], codec: str, chunk_mib: int) -> dict[str, int]:
+def ckptvault_run(gw: Gateway, states: wi.States, t: dict[str, Timing], codec: str, chunk_mib: int,
+                  workers: int = 0) -> dict[str, int]:
     """First save, incremental save, and both restores (fresh manager) into new tensors, checked bit for bit."""
     url = f"s3://{BUCKET}/vault-{uuid.uuid4().hex[:8]}"
-    with CheckpointManager(url, storage_options=gw.options(), codec=codec, chunk_size=chunk_mib << 20 or None) as mgr:
+    options = {**gw.options(), **({"workers": workers} if workers else {})}
+    with CheckpointManager(url, storage_options=options, codec=codec, chunk_size=chunk_mib << 20 or None) as mgr:
         time_it(t["first_save"], lambda: mgr.save(0, states[0]).wait())
         time_it(t["incremental_save"], lambda: mgr.save(1, states[1]).wait())
         sizes = {"first_stored": mgr.info(0).stored_bytes, "incremental_added": mgr.info(1).added_bytes}
@@ -135,6 +137,7 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--codec", default="zstd", help="vault codec (zstd, lz4, none)")
     parser.add_argument("--chunk-mib", type=int, default=16, help="vault chunk size in MiB (16: the S3 default)")
+    parser.add_argument("--workers", type=int, default=0, help="storage_options workers (0: the S3 store's default, 16)")
     parser.add_argument("--endpoint", default=None, help="an S3 endpoint to use instead of starting Ceph RGW")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
@@ -156,7 +159,7 @@ def main() -> None:
         facts: dict[str, int] = {}
         for run in range(args.runs):
             facts["torch_save_bytes"] = boto3_run(gw, states[0], scratch, t)
-            facts.update(ckptvault_run(gw, states, t, args.codec, args.chunk_mib))
+            facts.update(ckptvault_run(gw, states, t, args.codec, args.chunk_mib, args.workers))
             log.info("run %d: %s", run + 1, {n: round(t[n].wall[-1], 2) for n in names})
         report(args, t, facts, state_nbytes(states[0]))
     finally:
@@ -183,7 +186,7 @@ def report(args: argparse.Namespace, t: dict[str, Timing], facts: dict[str, int]
     print(text)
     out = {"args": vars(args), "machine": machine(), "facts": facts, "logical_bytes": logical,
            "times": {n: {"wall": v.wall, "cpu": v.cpu, "median": v.median} for n, v in t.items()}}
-    tag = f"{args.size}-{args.codec}-{args.chunk_mib}mib"
+    tag = f"{args.size}-{args.codec}-{args.chunk_mib}mib" + (f"-{args.workers}w" if args.workers else "")
     (OUT_DIR / f"s3-results-{tag}.json").write_text(json.dumps(out, indent=1))
     (OUT_DIR / f"s3-results-{tag}.md").write_text(text + "\n")
 

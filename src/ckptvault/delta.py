@@ -1,4 +1,4 @@
-"""Incremental checkpoints: XOR deltas of chunks against a keyframe.
+"""Incremental checkpoints: chunk deltas against a keyframe, plane by plane.
 
 A *keyframe* is a checkpoint stored without deltas. Every later checkpoint,
 until the next keyframe, may store a changed chunk against the chunk that held
