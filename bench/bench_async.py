@@ -133,7 +133,8 @@ def timed_sync(save: Any) -> tuple[float, float]:
 def part_a(trainer: Trainer, runs: int, rows: dict[str, list[float]]) -> None:
     copier = Copier(trainer.state())
     with CheckpointManager(fresh_dir(WORK / "a-ckv-async")) as mgr, \
-            CheckpointManager(fresh_dir(WORK / "a-ckv-none"), codec="none") as raw:
+            CheckpointManager(fresh_dir(WORK / "a-ckv-none"), codec="none") as raw, \
+            CheckpointManager(fresh_dir(WORK / "a-ckv-cached"), cache_keyframe=True) as cached:
         for run in range(runs + 1):
             trainer.step()
             state = trainer.state()
@@ -142,6 +143,7 @@ def part_a(trainer: Trainer, runs: int, rows: dict[str, list[float]]) -> None:
                 add(rows, "ckptvault async, first save (cold staging, keyframe): blocked", blocked)
                 add(rows, "ckptvault async, first save (cold staging, keyframe): until durable", durable)
                 raw.save(trainer.n, state).wait()
+                cached.save(trainer.n, state).wait()
                 continue
             add(rows, "ckptvault async: blocked", blocked)
             add(rows, "ckptvault async (incremental checkpoint): until durable", durable)
@@ -150,9 +152,13 @@ def part_a(trainer: Trainer, runs: int, rows: dict[str, list[float]]) -> None:
             _, durable, cpu = timed_async(partial(raw.save, trainer.n, state))
             add(rows, "ckptvault async, codec none (incremental checkpoint): until durable", durable)
             add(rows, "ckptvault async, codec none (incremental checkpoint): CPU s", cpu)
+            _, durable, cpu = timed_async(partial(cached.save, trainer.n, state))
+            add(rows, "ckptvault async, cache_keyframe (incremental checkpoint): until durable", durable)
+            add(rows, "ckptvault async, cache_keyframe (incremental checkpoint): CPU s", cpu)
             print(f"  A run {run}: load {os.getloadavg()[0]:.1f}", flush=True)
     shutil.rmtree(WORK / "a-ckv-async", ignore_errors=True)
     shutil.rmtree(WORK / "a-ckv-none", ignore_errors=True)
+    shutil.rmtree(WORK / "a-ckv-cached", ignore_errors=True)
 
 
 def measure_peers(state: Any, step: int, copier: Copier, rows: dict[str, list[float]]) -> None:
@@ -297,6 +303,7 @@ TARGETS = [
     ("ckptvault async (incremental checkpoint): until durable", "DCP save (sync)", 0.8),
     ("ckptvault save (sync), keyframe into an empty vault", "DCP save (sync)", 0.8),
     ("ckptvault async, codec none (incremental checkpoint): until durable", "DCP save (sync)", 0.8),
+    ("ckptvault async, cache_keyframe (incremental checkpoint): until durable", "DCP save (sync)", 0.8),
 ]
 
 

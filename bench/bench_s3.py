@@ -109,11 +109,12 @@ def boto3_run(gw: Gateway, state: Any, scratch: Path, t: dict[str, Timing]) -> i
 
 
 def ckptvault_run(gw: Gateway, states: wi.States, t: dict[str, Timing], codec: str, chunk_mib: int,
-                  workers: int = 0) -> dict[str, int]:
+                  workers: int = 0, cache_keyframe: bool = False) -> dict[str, int]:
     """First save, incremental save, and both restores (fresh manager) into new tensors, checked bit for bit."""
     url = f"s3://{BUCKET}/vault-{uuid.uuid4().hex[:8]}"
     options = {**gw.options(), **({"workers": workers} if workers else {})}
-    with CheckpointManager(url, storage_options=options, codec=codec, chunk_size=chunk_mib << 20 or None) as mgr:
+    with CheckpointManager(url, storage_options=options, codec=codec, chunk_size=chunk_mib << 20 or None,
+                           cache_keyframe=cache_keyframe) as mgr:
         time_it(t["first_save"], lambda: mgr.save(0, states[0]).wait())
         time_it(t["incremental_save"], lambda: mgr.save(1, states[1]).wait())
         sizes = {"first_stored": mgr.info(0).stored_bytes, "incremental_added": mgr.info(1).added_bytes}
@@ -138,6 +139,7 @@ def main() -> None:
     parser.add_argument("--codec", default="zstd", help="vault codec (zstd, lz4, none)")
     parser.add_argument("--chunk-mib", type=int, default=16, help="vault chunk size in MiB (16: the S3 default)")
     parser.add_argument("--workers", type=int, default=0, help="storage_options workers (0: the S3 store's default, 16)")
+    parser.add_argument("--cache-keyframe", action="store_true", help="CheckpointManager(cache_keyframe=True)")
     parser.add_argument("--endpoint", default=None, help="an S3 endpoint to use instead of starting Ceph RGW")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
@@ -159,7 +161,7 @@ def main() -> None:
         facts: dict[str, int] = {}
         for run in range(args.runs):
             facts["torch_save_bytes"] = boto3_run(gw, states[0], scratch, t)
-            facts.update(ckptvault_run(gw, states, t, args.codec, args.chunk_mib, args.workers))
+            facts.update(ckptvault_run(gw, states, t, args.codec, args.chunk_mib, args.workers, args.cache_keyframe))
             log.info("run %d: %s", run + 1, {n: round(t[n].wall[-1], 2) for n in names})
         report(args, t, facts, state_nbytes(states[0]))
     finally:
@@ -186,7 +188,8 @@ def report(args: argparse.Namespace, t: dict[str, Timing], facts: dict[str, int]
     print(text)
     out = {"args": vars(args), "machine": machine(), "facts": facts, "logical_bytes": logical,
            "times": {n: {"wall": v.wall, "cpu": v.cpu, "median": v.median} for n, v in t.items()}}
-    tag = f"{args.size}-{args.codec}-{args.chunk_mib}mib" + (f"-{args.workers}w" if args.workers else "")
+    tag = f"{args.size}-{args.codec}-{args.chunk_mib}mib" + (f"-{args.workers}w" if args.workers else "") + (
+        "-cached" if args.cache_keyframe else "")
     (OUT_DIR / f"s3-results-{tag}.json").write_text(json.dumps(out, indent=1))
     (OUT_DIR / f"s3-results-{tag}.md").write_text(text + "\n")
 

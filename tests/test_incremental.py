@@ -16,10 +16,11 @@ import torch
 from torch import nn
 
 from ckptvault import CheckpointManager
-from ckptvault.errors import CorruptChunkError, InvalidArgumentError
+from ckptvault.errors import CorruptChunkError, InvalidArgumentError, PermanentStorageError
 from ckptvault.format.chunk_object import chunk_key, parse_object
 from ckptvault.gc import collect
 from conftest import assert_same_state
+from helpers.counting_store import CountingStore
 
 CHUNK = 64 << 10
 HEADER_SLACK = 256  # object header + codec framing of one chunk, generously
@@ -463,3 +464,58 @@ def test_xor_never_modifies_its_inputs_unless_asked() -> None:
     assert np.array_equal(data, before) and np.array_equal(out, before ^ 0x5A)
     np.frombuffer(xor(memoryview(data), memoryview(base), in_place=True), dtype=np.uint8)
     assert np.array_equal(data, before ^ 0x5A)  # in place: only for the decoder's own scratch bytes
+
+
+# -- the keyframe cache -------------------------------------------------------------------------------------
+
+
+def train_states(steps: int) -> dict[int, dict[str, Any]]:
+    model = mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    gen = torch.Generator().manual_seed(1)
+    states = {}
+    for step in range(steps):
+        train_step(model, opt, gen)
+        states[step] = snapshot_state(model, opt, step)
+    return states
+
+
+def test_a_keyframe_cache_makes_delta_saves_read_nothing_and_store_the_same(tmp_path: Path) -> None:
+    states = train_states(4)
+    manifests = {}
+    for cached in (False, True):
+        store = CountingStore(tmp_path / f"v{cached}")
+        with CheckpointManager(store, chunk_size=CHUNK, cache_keyframe=cached, keyframe_every=10) as mgr:
+            mgr.save(0, states[0]).wait()
+            store.read.clear()
+            for step in (1, 2, 3):
+                mgr.save(step, states[step]).wait()
+            read = store.chunk_bytes_read()
+            manifests[cached] = [mgr.manifest(s)["chunks"] for s in (1, 2, 3)]
+            cache = mgr._saver._keyframe_cache
+            if cached:
+                assert read == 0, "delta saves against a cached keyframe read no chunk"
+                raw = sum(c["raw"] for c in mgr.manifest(0)["chunks"])
+                assert cache is not None and cache.nbytes == raw  # one copy of the keyframe's chunks
+            else:
+                assert cache is None and read > 0.5 * sum(c["stored"] for c in mgr.manifest(0)["chunks"])
+            assert len(delta_chunks(mgr.manifest(3))) >= 8
+            assert_restores_exactly(mgr, states)
+    assert manifests[True] == manifests[False]  # the same chunks, deltas and sizes either way
+
+
+def test_a_failed_keyframe_save_leaves_no_cache_and_later_deltas_read_the_store(tmp_path: Path) -> None:
+    states = train_states(3)
+    store = CountingStore(tmp_path / "v")
+    with CheckpointManager(store, chunk_size=CHUNK, cache_keyframe=True, keyframe_every=2) as mgr:
+        mgr.save(0, states[0]).wait()  # keyframe 0, cached
+        mgr.save(1, states[1]).wait()  # a delta against it
+        store.fail_chunk_writes = True  # step 2 would be the next keyframe: it fails, nothing committed
+        with pytest.raises(PermanentStorageError, match="injected failure"):
+            mgr.save(2, states[2]).wait()
+        store.fail_chunk_writes = False
+        assert mgr._saver._keyframe_cache.nbytes == 0  # the failed keyframe's bytes were dropped
+        assert mgr.steps() == [0, 1]
+        mgr.save(2, states[2]).wait()  # retried: a keyframe again, cached again
+        assert mgr.manifest(2)["keyframe_step"] == 2
+        assert_restores_exactly(mgr, states)

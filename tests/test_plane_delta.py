@@ -8,7 +8,6 @@ against a base stored raw; the manifest's ``requires`` feature; and errors for a
 
 from __future__ import annotations
 
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -24,8 +23,8 @@ from ckptvault.codecs.planes import plane_table, split_planes
 from ckptvault.codecs.zstd import Zstd
 from ckptvault.errors import CorruptChunkError
 from ckptvault.format.chunk_object import chunk_key, header_length, parse_object
-from ckptvault.stores.local import LocalStore
 from conftest import assert_same_state
+from helpers.counting_store import CountingStore
 
 CHUNK = 256 << 10
 
@@ -95,26 +94,6 @@ def test_the_stage_refuses_to_run_without_its_base() -> None:
 
 
 # -- through the vault ---------------------------------------------------------------------------------
-
-
-class CountingStore(LocalStore):
-    """A real local store that counts the bytes each key hands out."""
-
-    def __init__(self, root: Path) -> None:
-        super().__init__(root)
-        self.read: dict[str, int] = {}
-        self._lock = threading.Lock()
-
-    def _count(self, key: str, data: bytes) -> bytes:
-        with self._lock:
-            self.read[key] = self.read.get(key, 0) + len(data)
-        return data
-
-    def get(self, key: str) -> bytes:
-        return self._count(key, super().get(key))
-
-    def get_range(self, key: str, start: int, length: int) -> bytes:
-        return self._count(key, super().get_range(key, start, length))
 
 
 def two_steps(root: Path) -> dict[int, dict[str, Any]]:

@@ -67,18 +67,60 @@ class DeltaPolicy:
         return latest["added_bytes"] > self.growth * max(keyframe["stored_bytes"], 1)
 
 
+class KeyframeCache:
+    """Raw bytes of the latest keyframe's chunks, kept in host memory so that deltas need no reads of it.
+
+    Without it, every delta save reads its keyframe's chunks back from the store (a GET per chunk on S3) and
+    checks them. With it, a keyframe save keeps a copy of each chunk's raw bytes (one copy of the state in
+    host memory) and later delta saves against that keyframe encode against the copy. Call order, one save at
+    a time: :meth:`begin` when a keyframe save starts (frees the previous keyframe's bytes first), :meth:`add`
+    per chunk, then :meth:`commit` once its manifest is committed or :meth:`abort`; only a committed
+    keyframe's bytes are ever used. Thread-safe for the chunk writers of one save.
+    """
+
+    def __init__(self) -> None:
+        self._chunks: dict[str, bytes] = {}
+        self._step: int | None = None  # the committed keyframe the bytes belong to
+        self._filling: int | None = None
+
+    def begin(self, step: int) -> None:
+        self._chunks, self._step, self._filling = {}, None, step
+
+    def add(self, cid: str, raw: memoryview) -> None:
+        if self._filling is not None and cid not in self._chunks:
+            self._chunks[cid] = bytes(raw)
+
+    def commit(self, step: int) -> None:
+        if self._filling == step:
+            self._step, self._filling = step, None
+
+    def abort(self) -> None:
+        if self._filling is not None:
+            self._chunks, self._filling = {}, None
+
+    def raw(self, keyframe_step: int | None, cid: str) -> bytes | None:
+        """The raw bytes of chunk ``cid`` of committed keyframe ``keyframe_step``, if cached."""
+        return self._chunks.get(cid) if keyframe_step is not None and keyframe_step == self._step else None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(len(b) for b in self._chunks.values())
+
+
 @dataclass
 class DeltaContext:
     """What one save may delta-encode against.
 
     ``keyframe``: the keyframe's manifest, or None when this save writes a
     keyframe. ``known_bases``: chunk id -> delta base (or None) for chunks of
-    recent manifests, so reusing them needs no header read.
+    recent manifests, so reusing them needs no header read. ``cache``: the
+    saver's keyframe cache, if it keeps one.
     """
 
     keyframe: dict[str, Any] | None = None
     known_bases: dict[str, str | None] = field(default_factory=dict)
     since_keyframe: int = 0
+    cache: KeyframeCache | None = None
 
     @property
     def keyframe_step(self) -> int | None:

@@ -56,6 +56,11 @@ class CheckpointManager(MaintenanceMixin):
     a reusable host buffer and write in the background; ``max_staging_bytes``
     caps that buffer (a larger state is saved synchronously), ``on_busy``
     says what a save does while another is in flight (``"wait"`` or ``"skip"``).
+
+    ``cache_keyframe=True`` keeps a copy of the latest keyframe's raw chunks in
+    host memory (one more copy of the state), so that delta saves encode
+    against it instead of reading the keyframe back from the store: worth it on
+    object storage, where those reads are GETs of the whole keyframe.
     """
 
     def __init__(
@@ -76,6 +81,7 @@ class CheckpointManager(MaintenanceMixin):
         max_staging_bytes: int | None = None,
         on_unsafe: str = "fallback",
         max_flushed: float = 0.05,
+        cache_keyframe: bool = False,
     ) -> None:
         self.vault = Vault(url, storage_options, workers)
         self.url = self.vault.url
@@ -87,7 +93,7 @@ class CheckpointManager(MaintenanceMixin):
         self.retention = Retention.coerce(retention)
         self._saver = Saver(self.vault, self.delta_policy, async_save=async_save, on_busy=on_busy,
                             max_staging_bytes=max_staging_bytes, after_commit=self._after_commit,
-                            safety=SafetyPolicy(on_unsafe, max_flushed))
+                            safety=SafetyPolicy(on_unsafe, max_flushed), cache_keyframe=cache_keyframe)
 
     # -- saving ------------------------------------------------------------
     def save(

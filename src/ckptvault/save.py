@@ -21,8 +21,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from . import __version__
 from .codecs import BytePlanes, PlaneDelta, chain_for, encode_chain
+from .codecs.planes import split_planes
 from .delta import BaseRef, DeltaContext, find_bases
 from .delta_io import base_planes_for_save
 from .errors import CorruptChunkError, InvalidArgumentError, ObjectNotFoundError, SaveError, StepExistsError
@@ -64,7 +67,7 @@ def write_chunks(vault: Vault, snapshot: Snapshot, progress: Progress | None = N
     specs = [LeafSpec(r.nbytes, r.itemsize, r.codec) for r in snapshot.records]
     plans, pieces = plan_chunks(specs, chunk_size, pack_threshold(chunk_size))
     bases = find_bases(plans, snapshot.records, delta.keyframe) if delta.keyframe else [None] * len(plans)
-    writer = _ChunkWriter(vault, snapshot, progress, delta.known_bases)
+    writer = _ChunkWriter(vault, snapshot, progress, delta)
     results = map_all(vault.pool, writer.write, plans, bases)
     return results, pieces
 
@@ -72,10 +75,11 @@ def write_chunks(vault: Vault, snapshot: Snapshot, progress: Progress | None = N
 class _ChunkWriter:
     """Hash, dedup, encode and store one planned chunk; safe to call from many threads."""
 
-    def __init__(self, vault: Vault, snapshot: Snapshot, progress: Progress | None,
-                 known_bases: dict[str, str | None]) -> None:
+    def __init__(self, vault: Vault, snapshot: Snapshot, progress: Progress | None, delta: DeltaContext) -> None:
         self.vault, self.snapshot, self.progress = vault, snapshot, progress
-        self.known_bases = known_bases
+        self.known_bases, self.keyframe_step = delta.known_bases, delta.keyframe_step
+        self.cache = delta.cache if delta.cache is not None and delta.keyframe is None else None  # filled by keyframes
+        self.cached_bases = delta.cache if delta.keyframe is not None else None  # read by deltas
         self._claimed: dict[str, threading.Event] = {}
         self._done: dict[str, tuple[int, str | None]] = {}
         self._lock = threading.Lock()
@@ -90,6 +94,8 @@ class _ChunkWriter:
     def write(self, plan: ChunkPlan, base: BaseRef | None) -> ChunkResult:
         raw = self._raw(plan)
         cid = chunk_id(raw)
+        if self.cache is not None:
+            self.cache.add(cid, raw)
         if self._first_claim(cid):
             try:
                 created, stored, stored_base = self._store(cid, raw, plan, base)
@@ -126,7 +132,7 @@ class _ChunkWriter:
             assert isinstance(planes, BytePlanes) and len(stages) == 1
             try:
                 self.vault.store.touch(chunk_key(base.id))  # a base must outlive this save, like a reused chunk
-                base_planes = base_planes_for_save(self.vault.store, base.id, planes.typesize)
+                base_planes = self._base_planes(base.id, planes.typesize)
             except (ObjectNotFoundError, CorruptChunkError) as exc:
                 log.warning("cannot use delta base %s (%s); storing the chunk in full", base.id, exc)
             else:
@@ -139,6 +145,13 @@ class _ChunkWriter:
                 return ChunkHeader(codec=[planes.spec()], raw=len(raw)), payload  # no plane XORed: a full chunk
         codec, payload = encode_chain(raw, stages)
         return ChunkHeader(codec=codec, raw=len(raw)), payload
+
+    def _base_planes(self, base_id: str, typesize: int) -> list[np.ndarray]:
+        """The byte planes of keyframe chunk ``base_id``: from the keyframe cache, else read and verified."""
+        cached = None if self.cached_bases is None else self.cached_bases.raw(self.keyframe_step, base_id)
+        if cached is not None:
+            return list(split_planes(cached, typesize)[0])
+        return base_planes_for_save(self.vault.store, base_id, typesize)
 
     def _existing_base(self, cid: str) -> str | None:
         if cid in self.known_bases:

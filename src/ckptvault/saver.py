@@ -25,7 +25,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from .delta import DeltaPolicy, delta_context
+from .delta import DeltaPolicy, KeyframeCache, delta_context
 from .errors import InvalidArgumentError
 from .handle import SaveHandle
 from .info import info_from_manifest
@@ -58,7 +58,7 @@ class Saver:
 
     def __init__(self, vault: Vault, delta_policy: DeltaPolicy, *, async_save: bool = True, on_busy: str = "wait",
                  max_staging_bytes: int | None = None, after_commit: Callable[[int], None] | None = None,
-                 safety: SafetyPolicy | None = None) -> None:
+                 safety: SafetyPolicy | None = None, cache_keyframe: bool = False) -> None:
         if on_busy not in ON_BUSY:
             raise InvalidArgumentError(f"on_busy must be one of {ON_BUSY}, got {on_busy!r}")
         self.vault, self.delta_policy = vault, delta_policy
@@ -68,6 +68,7 @@ class Saver:
         self.safety = safety or SafetyPolicy()
         self._staging = StagingBuffer()
         self._lossy_buffers = LossyBuffers()  # with the staging buffer: asynchronous saves reuse their memory
+        self._keyframe_cache = KeyframeCache() if cache_keyframe and delta_policy.enabled else None
         self._executor: ThreadPoolExecutor | None = None
         self._inflight: SaveHandle | None = None
         self._task: Future[None] | None = None
@@ -109,13 +110,20 @@ class Saver:
         """Steps after the snapshot. Never raises: the outcome goes to the handle (and errors to pending)."""
         try:
             delta = delta_context(self.vault, self.delta_policy, request.step)
+            delta.cache = self._keyframe_cache
+            if delta.cache is not None and delta.keyframe is None:
+                delta.cache.begin(request.step)
             buffers = self._lossy_buffers if snapshot.staged else None
             snapshot = apply_lossy(snapshot, self.safety, request.lossless, self.vault, delta.keyframe, buffers)
             chunks, pieces = write_chunks(self.vault, snapshot, request.progress, delta)
             manifest = build_manifest(request.step, snapshot, chunks, pieces, request.metrics, request.metadata,
                                       delta.keyframe_step, delta.since_keyframe)
             commit(self.vault, request.step, manifest, request.overwrite)
+            if self._keyframe_cache is not None:
+                self._keyframe_cache.commit(request.step)
         except BaseException as exc:  # noqa: BLE001 - handed to the caller, not swallowed
+            if self._keyframe_cache is not None:
+                self._keyframe_cache.abort()
             log.error("save of step %d failed, nothing committed: %s", request.step, exc)
             with self._lock:
                 self._error, self._error_handle = exc, handle

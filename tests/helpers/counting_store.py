@@ -1,0 +1,41 @@
+"""A real local store that counts, per key, the bytes its reads hand out (tests/test_plane_delta.py,
+tests/test_incremental.py). Optionally fails chunk writes on demand, the way a storage error would."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+from ckptvault.errors import PermanentStorageError
+from ckptvault.stores.local import LocalStore
+
+
+class CountingStore(LocalStore):
+    """A LocalStore that counts the bytes ``get``/``get_range`` return per key (``read``), and fails
+    ``put_if_absent`` of chunk objects while ``fail_chunk_writes`` is set."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(root)
+        self.read: dict[str, int] = {}
+        self.fail_chunk_writes = False
+        self._lock = threading.Lock()
+
+    def _count(self, key: str, data: bytes) -> bytes:
+        with self._lock:
+            self.read[key] = self.read.get(key, 0) + len(data)
+        return data
+
+    def get(self, key: str) -> bytes:
+        return self._count(key, super().get(key))
+
+    def get_range(self, key: str, start: int, length: int) -> bytes:
+        return self._count(key, super().get_range(key, start, length))
+
+    def put_if_absent(self, key: str, data: bytes | memoryview) -> bool:
+        if self.fail_chunk_writes and key.startswith("chunks/"):
+            raise PermanentStorageError(f"injected failure writing {key}")
+        return super().put_if_absent(key, data)
+
+    def chunk_bytes_read(self) -> int:
+        with self._lock:
+            return sum(n for key, n in self.read.items() if key.startswith("chunks/"))
