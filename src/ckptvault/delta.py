@@ -79,7 +79,7 @@ class KeyframeCache:
     """
 
     def __init__(self) -> None:
-        self._chunks: dict[str, bytes] = {}
+        self._chunks: dict[str, np.ndarray] = {}
         self._step: int | None = None  # the committed keyframe the bytes belong to
         self._filling: int | None = None
 
@@ -88,7 +88,7 @@ class KeyframeCache:
 
     def add(self, cid: str, raw: memoryview) -> None:
         if self._filling is not None and cid not in self._chunks:
-            self._chunks[cid] = bytes(raw)
+            self._chunks[cid] = np.frombuffer(raw, dtype=np.uint8).copy()  # numpy copies without holding the GIL
 
     def commit(self, step: int) -> None:
         if self._filling == step:
@@ -98,13 +98,13 @@ class KeyframeCache:
         if self._filling is not None:
             self._chunks, self._filling = {}, None
 
-    def raw(self, keyframe_step: int | None, cid: str) -> bytes | None:
+    def raw(self, keyframe_step: int | None, cid: str) -> np.ndarray | None:
         """The raw bytes of chunk ``cid`` of committed keyframe ``keyframe_step``, if cached."""
         return self._chunks.get(cid) if keyframe_step is not None and keyframe_step == self._step else None
 
     @property
     def nbytes(self) -> int:
-        return sum(len(b) for b in self._chunks.values())
+        return sum(b.nbytes for b in self._chunks.values())
 
 
 @dataclass
