@@ -72,6 +72,15 @@ class Gateway:
                      max_pool_connections=32)
         return boto3.client("s3", config=cfg, **self.options())
 
+    def bucket_client(self) -> Any:
+        """A boto3 client, after creating the benchmark's bucket if it does not exist yet."""
+        client = self.client()
+        try:
+            client.create_bucket(Bucket=BUCKET)
+        except client.exceptions.BucketAlreadyOwnedByYou:
+            pass
+        return client
+
     def stop(self) -> None:
         if self.state_dir:
             subprocess.run([str(ROOT / "scripts" / "ceph-rgw.sh"), "stop", self.state_dir], capture_output=True, check=False)
@@ -148,11 +157,7 @@ def main() -> None:
     states = {0: states[0], 1: states[1]}
     gw = Gateway(args.endpoint)
     try:
-        client = gw.client()
-        try:
-            client.create_bucket(Bucket=BUCKET)
-        except client.exceptions.BucketAlreadyOwnedByYou:
-            pass
+        client = gw.bucket_client()
         scratch = OUT_DIR / "s3-scratch"
         scratch.mkdir(parents=True, exist_ok=True)
         names = ["boto3_upload", "boto3_download_load", "first_save", "incremental_save", "first_restore",

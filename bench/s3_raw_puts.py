@@ -31,11 +31,7 @@ def main() -> None:
     args = parser.parse_args()
     gw = Gateway(args.endpoint)
     try:
-        client = gw.client()
-        try:
-            client.create_bucket(Bucket=BUCKET)
-        except client.exceptions.BucketAlreadyOwnedByYou:
-            pass
+        client = gw.bucket_client()
         noise = os.urandom(SIZE)
         blobs = [bytes([i]) + noise[1:] for i in range(OBJECTS)]
         with tempfile.TemporaryDirectory() as tmp:
