@@ -157,7 +157,7 @@ def main() -> None:
     states = {0: states[0], 1: states[1]}
     gw = Gateway(args.endpoint)
     try:
-        client = gw.bucket_client()
+        gw.bucket_client()
         scratch = OUT_DIR / "s3-scratch"
         scratch.mkdir(parents=True, exist_ok=True)
         names = ["boto3_upload", "boto3_download_load", "first_save", "incremental_save", "first_restore",
