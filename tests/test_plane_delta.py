@@ -41,10 +41,16 @@ def stage() -> PlaneDelta:
     return PlaneDelta(4, Zstd(1))
 
 
+def encode_against(data: bytes, base_planes: list[np.ndarray]) -> tuple[bytes, bool]:
+    """The stage's payload joined into bytes, and whether it XORs any plane."""
+    parts, uses_base = stage().encode_against(memoryview(data), base_planes)
+    return b"".join(parts), uses_base
+
+
 def test_nearby_floats_xor_the_high_planes_and_store_the_noise_planes_alone() -> None:
     before, after = nearby_floats(1 << 18, seed=0)
     base_planes = list(split_planes(memoryview(before.tobytes()), 4)[0])
-    payload, uses_base = stage().encode_against(memoryview(after.tobytes()), base_planes)
+    payload, uses_base = encode_against(after.tobytes(), base_planes)
     entries, _ = plane_table(payload, 4)
     assert uses_base
     assert entries[3].xor and entries[2].xor  # sign/exponent and high mantissa change rarely
@@ -60,7 +66,7 @@ def test_unrelated_data_uses_no_base_plane_and_reads_as_a_plain_planes_payload()
     rng = np.random.default_rng(1)
     base = rng.standard_normal(1 << 16).astype(np.float32)
     data = rng.standard_normal(1 << 16).astype(np.float32)
-    payload, uses_base = stage().encode_against(memoryview(data.tobytes()), list(split_planes(base.tobytes(), 4)[0]))
+    payload, uses_base = encode_against(data.tobytes(), list(split_planes(base.tobytes(), 4)[0]))
     assert not uses_base
     assert bytes(BytePlanes(4, Zstd(1)).decode(memoryview(payload), data.nbytes)) == data.tobytes()
 
@@ -74,7 +80,7 @@ def test_round_trip_of_any_bytes_against_any_base(data: bytes, draw: st.DataObje
             base[i] ^= 0x5A
     whole = len(data) - len(data) % 4
     base_planes = list(split_planes(bytes(base), 4)[0])
-    payload, _ = stage().encode_against(memoryview(data), base_planes)
+    payload, _ = encode_against(data, base_planes)
     assert bytes(stage().decode_against(memoryview(payload), len(data), dict(enumerate(base_planes)))) == data
     assert len(payload) <= len(data) + 1 + 16 + (len(data) - whole)
 
@@ -85,7 +91,7 @@ def test_the_stage_refuses_to_run_without_its_base() -> None:
     with pytest.raises(ValueError, match="Vault.read_chunk"):
         stage().decode(memoryview(b"\0" * 16), 16)
     before, after = nearby_floats(4096, seed=2)
-    payload, uses_base = stage().encode_against(memoryview(after.tobytes()), list(split_planes(before.tobytes(), 4)[0]))
+    payload, uses_base = encode_against(after.tobytes(), list(split_planes(before.tobytes(), 4)[0]))
     assert uses_base
     with pytest.raises(ValueError, match=r"base's plane \d is missing"):
         stage().decode_against(memoryview(payload), after.nbytes, {})

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from . import __version__
-from .codecs import BytePlanes, PlaneDelta, chain_for, encode_chain
+from .codecs import BytePlanes, PlaneDelta, chain_for
 from .codecs.planes import split_planes
 from .delta import BaseRef, DeltaContext, find_bases
 from .delta_io import base_planes_for_save
@@ -52,6 +52,20 @@ class ChunkResult:
     stored: int
     new: bool
     base: str | None = None
+
+
+Payload = bytes | memoryview | list[Any]
+
+
+def _size(parts: list[Any]) -> int:
+    return sum(memoryview(p).nbytes for p in parts)
+
+
+def _full(planes: BytePlanes, raw: memoryview, parts: list[Any]) -> tuple[ChunkHeader, Payload]:
+    """A full chunk: its planes payload if that is smaller than the raw bytes, else the raw bytes."""
+    if _size(parts) < len(raw):
+        return ChunkHeader(codec=[planes.spec()], raw=len(raw)), parts
+    return ChunkHeader(codec=[], raw=len(raw)), raw
 
 
 def pack_threshold(chunk_size: int) -> int:
@@ -124,12 +138,18 @@ class _ChunkWriter:
             return True, len(data), header.base
         return False, store.stat(key).size, self._existing_base(cid)
 
-    def _encode(self, raw: memoryview, plan: ChunkPlan, base: BaseRef | None) -> tuple[ChunkHeader, bytes | memoryview]:
-        """Encode in full, or against ``base`` plane by plane where XOR with the base's plane compresses better."""
+    def _encode(self, raw: memoryview, plan: ChunkPlan, base: BaseRef | None) -> tuple[ChunkHeader, Payload]:
+        """Encode in full, or against ``base`` plane by plane where XOR with the base's plane compresses better.
+
+        The payload may be a list of buffers (viewing this thread's scratch memory) that :func:`encode_object`
+        joins: one copy of the encoded bytes instead of two.
+        """
         stages = chain_for(plan.codec, plan.itemsize)
-        if base is not None and stages:  # without a compressing stage an XOR delta is never smaller: skip reading the base
-            planes = stages[0]
-            assert isinstance(planes, BytePlanes) and len(stages) == 1
+        if not stages:
+            return ChunkHeader(codec=[], raw=len(raw)), raw
+        planes = stages[0]
+        assert isinstance(planes, BytePlanes) and len(stages) == 1
+        if base is not None:
             try:
                 self.vault.store.touch(chunk_key(base.id))  # a base must outlive this save, like a reused chunk
                 base_planes = self._base_planes(base.id, planes.typesize)
@@ -137,14 +157,11 @@ class _ChunkWriter:
                 log.warning("cannot use delta base %s (%s); storing the chunk in full", base.id, exc)
             else:
                 stage = PlaneDelta(planes.typesize, planes.inner)
-                payload, uses_base = stage.encode_against(raw, base_planes)
-                if len(payload) >= len(raw):
-                    return ChunkHeader(codec=[], raw=len(raw)), raw
-                if uses_base:
-                    return ChunkHeader(codec=[stage.spec()], raw=len(raw), base=base.id), payload
-                return ChunkHeader(codec=[planes.spec()], raw=len(raw)), payload  # no plane XORed: a full chunk
-        codec, payload = encode_chain(raw, stages)
-        return ChunkHeader(codec=codec, raw=len(raw)), payload
+                parts, uses_base = stage.encode_against(raw, base_planes)
+                if uses_base and _size(parts) < len(raw):
+                    return ChunkHeader(codec=[stage.spec()], raw=len(raw), base=base.id), parts
+                return _full(planes, raw, parts)  # no plane XORed: a plain planes payload
+        return _full(planes, raw, planes.encode_parts(raw))
 
     def _base_planes(self, base_id: str, typesize: int) -> list[np.ndarray]:
         """The byte planes of keyframe chunk ``base_id``: from the keyframe cache, else read and verified."""

@@ -35,6 +35,8 @@ KEEP_BELOW = 0.95
 
 _UINT = {2: np.uint16, 4: np.uint32, 8: np.uint64}
 
+Buffer = bytes | memoryview | np.ndarray
+
 
 @dataclass(frozen=True)
 class PlaneEntry:
@@ -107,15 +109,20 @@ class BytePlanes(BytesStage):
         self.typesize, self.inner = typesize, inner
 
     def encode(self, data: memoryview) -> bytes:
-        planes, tail = split_planes(data, self.typesize, scratch(len(data), "planes"))  # joined before returning
-        return self.pack([self.store_plane(memoryview(plane)) for plane in planes], tail)
+        return b"".join(self.encode_parts(data))
 
-    def pack(self, planes: list[StoredPlane], tail: np.ndarray | memoryview) -> bytes:
-        """Assemble a payload from stored planes and the tail bytes."""
+    def encode_parts(self, data: memoryview) -> list[Buffer]:
+        """The payload of :meth:`encode` as a list of buffers, for a caller that joins it with more bytes.
+        The buffers may view this thread's scratch memory: join them before this thread encodes again."""
+        planes, tail = split_planes(data, self.typesize, scratch(len(data), "planes"))
+        return self.pack_parts([self.store_plane(memoryview(plane)) for plane in planes], tail)
+
+    def pack_parts(self, planes: list[StoredPlane], tail: np.ndarray | memoryview) -> list[Buffer]:
+        """A payload from stored planes and the tail bytes, as the list of buffers to concatenate."""
         sizes = [len(memoryview(p.data).cast("B")) | (_COMPRESSED if p.compressed else 0) | (XOR_BASE if p.xor else 0)
                  for p in planes]
         head = struct.pack(f"<B{self.typesize}I", self.typesize, *sizes)
-        return b"".join([head, *(p.data for p in planes), tail])
+        return [head, *(p.data for p in planes), tail]
 
     def store_plane(self, plane: memoryview, xor: bool = False, ratio: float | None = None) -> StoredPlane:
         """``plane`` compressed if that pays, else raw (``ratio``: its sample ratio, if known)."""

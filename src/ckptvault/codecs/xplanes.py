@@ -21,7 +21,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from .planes import KEEP_BELOW, BytePlanes, StoredPlane, assemble, scratch, split_planes
+from .planes import KEEP_BELOW, Buffer, BytePlanes, StoredPlane, assemble, scratch, split_planes
 
 #: a candidate whose sample compresses to under this fraction of the other's is chosen without
 #: compressing the other; closer calls compress both and keep the smaller
@@ -37,8 +37,10 @@ class PlaneDelta(BytePlanes):
     def decode(self, data: memoryview, out_size: int) -> memoryview:
         raise ValueError("an xplanes payload needs its base chunk's planes: read the chunk with Vault.read_chunk()")
 
-    def encode_against(self, data: memoryview, base_planes: Sequence[np.ndarray]) -> tuple[bytes, bool]:
-        """(payload, whether any plane is XORed) for ``data`` against the base chunk's planes.
+    def encode_against(self, data: memoryview, base_planes: Sequence[np.ndarray]) -> tuple[list[Buffer], bool]:
+        """(payload as a list of buffers to concatenate, whether any plane is XORed) for ``data`` against the
+        base chunk's planes. The buffers may view this thread's scratch memory: join them before this thread
+        encodes again.
 
         With no plane XORed the payload reads as a plain ``planes`` payload and
         the chunk needs no base.
@@ -47,7 +49,7 @@ class PlaneDelta(BytePlanes):
         if len(base_planes) != self.typesize or any(len(b) != planes.shape[1] for b in base_planes):
             raise ValueError("base planes do not match the chunk's element count")
         stored = [self._choose(memoryview(planes[k]), base_planes[k]) for k in range(self.typesize)]
-        return self.pack(stored, tail), any(p.xor for p in stored)
+        return self.pack_parts(stored, tail), any(p.xor for p in stored)
 
     def _choose(self, plane: memoryview, base: np.ndarray) -> StoredPlane:
         """The smaller of ``plane`` stored on its own and ``plane`` XOR ``base``; an XOR must compress to win.

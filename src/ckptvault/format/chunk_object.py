@@ -56,10 +56,12 @@ class ChunkHeader:
         return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
 
 
-def encode_object(header: ChunkHeader, payload: bytes | memoryview) -> bytes:
-    """Serialise a chunk object (header + payload) into one bytes object."""
+def encode_object(header: ChunkHeader, payload: bytes | memoryview | list[Any]) -> bytes:
+    """Serialise a chunk object (header + payload) into one bytes object. ``payload`` may be a list of
+    buffers to concatenate (so a payload in parts is copied once, here)."""
     head = header.to_bytes()
-    return b"".join((_PREFIX.pack(MAGIC, FORMAT_VERSION, 0, len(head)), head, payload))
+    parts = payload if isinstance(payload, list) else [payload]
+    return b"".join((_PREFIX.pack(MAGIC, FORMAT_VERSION, 0, len(head)), head, *parts))
 
 
 def parse_object(cid: str, data: bytes) -> tuple[ChunkHeader, memoryview]:
