@@ -9,6 +9,9 @@ encoding against it, so a delta is never built on damaged bytes.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import numpy as np
 
 from .codecs import stage_from_spec
@@ -73,33 +76,22 @@ def _base_planes_by_range(store: Store, cid: str, base_id: str, typesize: int, n
     if not needed:
         return {}
     key = chunk_key(base_id)
-    try:
+    with _blamed_on_base(cid, base_id):
         head = store.get_range(key, 0, HEAD_READ)
         start = header_length(head) if len(head) >= 8 else 0
         if start + 1 + 4 * typesize > len(head):
             head = store.get_range(key, 0, start + 1 + 4 * typesize)
         base_header, table = parse_object(base_id, head)
-    except ObjectNotFoundError:
-        raise CorruptChunkError(cid, f"its delta base {base_id} is missing") from None
-    except CorruptChunkError as exc:
-        raise CorruptChunkError(cid, f"its delta base {base_id} is corrupt: {exc.reason}") from None
     if base_header.base is not None:
         raise CorruptChunkError(cid, f"its delta base {base_id} is itself a delta (chains are limited to 1)")
     if base_header.raw != raw_size:
         raise CorruptChunkError(cid, f"its delta base {base_id} holds {base_header.raw} bytes, the delta {raw_size}")
     stage = _planes_stage(base_header)
-    try:
+    with _blamed_on_base(cid, base_id):
         if stage is None or stage.typesize != typesize:  # stored raw or in another layout: read it whole
-            whole = _decode_whole(store, key, base_id)
-            planes = split_planes(whole, typesize)[0]
+            planes = split_planes(_decode_base(store, base_id, verify=False), typesize)[0]  # the delta's check covers it
             return {k: planes[k] for k in needed}
         return _ranged_planes(store, key, start, stage, plane_table(table, typesize)[0], needed, raw_size // typesize)
-    except CorruptChunkError as exc:
-        raise CorruptChunkError(cid, f"its delta base {base_id} is corrupt: {exc.reason}") from None
-    except ObjectNotFoundError:
-        raise CorruptChunkError(cid, f"its delta base {base_id} is missing") from None
-    except ValueError as exc:
-        raise CorruptChunkError(cid, f"its delta base {base_id} is corrupt: {exc}") from None
 
 
 def _ranged_planes(store: Store, key: str, payload_start: int, stage: BytePlanes, entries: list, needed: list[int],
@@ -123,20 +115,28 @@ def _ranged_planes(store: Store, key: str, payload_start: int, stage: BytePlanes
     return planes
 
 
-def _decode_whole(store: Store, key: str, base_id: str) -> bytes | memoryview:
-    header, payload = parse_object(base_id, store.get(key))
-    return decode_payload(base_id, header, payload, verify=False)  # the delta's own hash check covers it
+def _decode_base(store: Store, base_id: str, verify: bool) -> bytes | memoryview:
+    header, payload = parse_object(base_id, store.get(chunk_key(base_id)))
+    return decode_payload(base_id, header, payload, verify=verify)
 
 
 def _blame_base(store: Store, cid: str, base_id: str) -> None:
     """After a delta failed its hash check: raise naming the base if the base is the damaged object."""
+    with _blamed_on_base(cid, base_id):
+        _decode_base(store, base_id, verify=True)
+
+
+@contextmanager
+def _blamed_on_base(cid: str, base_id: str) -> Iterator[None]:
+    """Turn a missing or damaged base (or a malformed plane table, ValueError) into the delta's CorruptChunkError."""
     try:
-        header, payload = parse_object(base_id, store.get(chunk_key(base_id)))
-        decode_payload(base_id, header, payload)
-    except CorruptChunkError as exc:
-        raise CorruptChunkError(cid, f"its delta base {base_id} is corrupt: {exc.reason}") from None
+        yield
     except ObjectNotFoundError:
         raise CorruptChunkError(cid, f"its delta base {base_id} is missing") from None
+    except CorruptChunkError as exc:  # before ValueError: it is one
+        raise CorruptChunkError(cid, f"its delta base {base_id} is corrupt: {exc.reason}") from None
+    except ValueError as exc:
+        raise CorruptChunkError(cid, f"its delta base {base_id} is corrupt: {exc}") from None
 
 
 def _planes_stage(header: ChunkHeader) -> BytePlanes | None:

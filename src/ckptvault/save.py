@@ -92,8 +92,7 @@ class _ChunkWriter:
     def __init__(self, vault: Vault, snapshot: Snapshot, progress: Progress | None, delta: DeltaContext) -> None:
         self.vault, self.snapshot, self.progress = vault, snapshot, progress
         self.known_bases, self.keyframe_step = delta.known_bases, delta.keyframe_step
-        self.cache = delta.cache if delta.cache is not None and delta.keyframe is None else None  # filled by keyframes
-        self.cached_bases = delta.cache if delta.keyframe is not None else None  # read by deltas
+        self.cache = delta.cache  # a keyframe save fills it (it ignores adds otherwise); delta saves read it
         self._claimed: dict[str, threading.Event] = {}
         self._done: dict[str, tuple[int, str | None]] = {}
         self._lock = threading.Lock()
@@ -165,7 +164,7 @@ class _ChunkWriter:
 
     def _base_planes(self, base_id: str, typesize: int) -> list[np.ndarray]:
         """The byte planes of keyframe chunk ``base_id``: from the keyframe cache, else read and verified."""
-        cached = None if self.cached_bases is None else self.cached_bases.raw(self.keyframe_step, base_id)
+        cached = None if self.cache is None else self.cache.raw(self.keyframe_step, base_id)
         if cached is not None:
             return list(split_planes(cached, typesize)[0])
         return base_planes_for_save(self.vault.store, base_id, typesize)
