@@ -45,14 +45,21 @@ def train_step(model: nn.Module, opt: torch.optim.Optimizer, gen: torch.Generato
 def save_run(root: Path, model: nn.Module, opt: torch.optim.Optimizer, steps: int, **kwargs: Any
              ) -> dict[int, dict[str, Any]]:
     """Train ``steps`` steps, saving after each; return the saved states by step."""
+    states = train_states(model, opt, steps)
+    with manager(root, **kwargs) as mgr:
+        for step, state in states.items():
+            mgr.save(step, state)
+        mgr.wait()
+    return states
+
+
+def train_states(model: nn.Module, opt: torch.optim.Optimizer, steps: int) -> dict[int, dict[str, Any]]:
+    """Deep copies of the training state after each of ``steps`` steps (batches from a fixed seed)."""
     gen = torch.Generator().manual_seed(1)
     states = {}
-    with manager(root, **kwargs) as mgr:
-        for step in range(steps):
-            train_step(model, opt, gen)
-            states[step] = snapshot_state(model, opt, step)
-            mgr.save(step, states[step])
-        mgr.wait()
+    for step in range(steps):
+        train_step(model, opt, gen)
+        states[step] = snapshot_state(model, opt, step)
     return states
 
 
@@ -469,19 +476,13 @@ def test_xor_never_modifies_its_inputs_unless_asked() -> None:
 # -- the keyframe cache -------------------------------------------------------------------------------------
 
 
-def train_states(steps: int) -> dict[int, dict[str, Any]]:
+def mlp_states(steps: int) -> dict[int, dict[str, Any]]:
     model = mlp()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
-    gen = torch.Generator().manual_seed(1)
-    states = {}
-    for step in range(steps):
-        train_step(model, opt, gen)
-        states[step] = snapshot_state(model, opt, step)
-    return states
+    return train_states(model, torch.optim.AdamW(model.parameters(), lr=1e-5), steps)
 
 
 def test_a_keyframe_cache_makes_delta_saves_read_nothing_and_store_the_same(tmp_path: Path) -> None:
-    states = train_states(4)
+    states = mlp_states(4)
     manifests = {}
     for cached in (False, True):
         store = CountingStore(tmp_path / f"v{cached}")
@@ -505,7 +506,7 @@ def test_a_keyframe_cache_makes_delta_saves_read_nothing_and_store_the_same(tmp_
 
 
 def test_a_failed_keyframe_save_leaves_no_cache_and_later_deltas_read_the_store(tmp_path: Path) -> None:
-    states = train_states(3)
+    states = mlp_states(3)
     store = CountingStore(tmp_path / "v")
     with CheckpointManager(store, chunk_size=CHUNK, cache_keyframe=True, keyframe_every=2) as mgr:
         mgr.save(0, states[0]).wait()  # keyframe 0, cached
