@@ -445,6 +445,42 @@ def test_fast_measurement_equals_the_reference() -> None:
     assert lossy.encode(cases["tiny negatives"], lossy.LossySpec("fp16")).error["flushed"] > 0.9
 
 
+def test_fused_kernels_store_exactly_what_torch_stores() -> None:
+    """bf16/fp16 bits equal ``Tensor.to`` on every kind of float32 (random bit patterns: NaN payloads, infs,
+    subnormals; dense runs over fp16's subnormal range and its largest finite values); int8 blocks and scales
+    equal the torch reference, residuals included, with a short last block."""
+    gen = np.random.default_rng(5)
+    patterns = [gen.integers(0, 2**32, size=1 << 20, dtype=np.uint64).astype(np.uint32),
+                np.arange(0x33000000, 0x39000000, 1009, dtype=np.uint32), np.arange(0x477F0000, 0x47810000, 7, dtype=np.uint32)]
+    x = torch.from_numpy(np.concatenate(patterns).view(np.float32))
+    for spec, dtype in ((lossy.LossySpec("bf16"), torch.bfloat16), (lossy.LossySpec("fp16"), torch.float16)):
+        assert torch.equal(lossy.encode(x, spec).parts["q"].view(torch.int16), x.to(dtype).view(torch.int16)), spec
+    tgen = torch.Generator().manual_seed(5)
+    values = torch.randn(100_003, generator=tgen) * torch.logspace(-20, 20, 100_003)
+    base = values + torch.randn(100_003, generator=tgen) * 1e-3
+    for block in (8, 256, 1000):
+        for spec, expected in ((lossy.LossySpec("int8-block", block), lossy._int8_block(values, block)),
+                               (lossy.LossySpec("residual-int8", block), lossy._int8_block(values - base, block))):
+            fused = lossy.encode(values, spec, base)
+            assert torch.equal(fused.parts["q"], expected["q"]) and torch.equal(fused.parts["scale"], expected["scale"])
+            reference = lossy.measure(values, lossy.decode(spec, fused.parts, torch.float32, [100_003], base))
+            assert fused.error == pytest.approx(reference, rel=1e-9), spec
+
+
+def test_a_kept_overflow_is_recorded_as_inf(tmp_path: Path) -> None:
+    """on_unsafe="keep" stores a result with infs; its error (max abs inf) goes into the strict-JSON manifest
+    as a string and comes back as a float."""
+    t = torch.ones(1000)
+    t[5] = 1e5
+    with pytest.warns(RuntimeWarning, match="1 values overflowed to inf; kept because"):
+        info = ckptvault.save({"x": t}, tmp_path / "v", 1, codec_rules={"*": "fp16"}, on_unsafe="keep")
+    assert info.tensors[0].error is not None and info.tensors[0].error["max_abs"] == math.inf
+    with CheckpointManager(tmp_path / "v") as mgr:
+        assert records(mgr.manifest(1))["x"]["lossy"]["error"]["max_abs"] == "inf"
+        assert mgr.restore(1)["x"][5] == math.inf
+    assert "inf" in cli("show", tmp_path / "v").stdout
+
+
 def test_a_certainly_unsafe_result_is_not_measured_to_the_end() -> None:
     """With fallback or fail, measuring stops once the result is certainly unsafe; with keep it never stops."""
     tiny = torch.rand(3 << 20, generator=torch.Generator().manual_seed(0)) * 1e-9  # fp16 flushes all of it
@@ -461,7 +497,7 @@ def test_a_certainly_unsafe_result_is_not_measured_to_the_end() -> None:
     assert kept is not None and "partial" not in kept.error and kept.error["flushed"] == 1.0
     stopped = lossy.encode(tiny, lossy.LossySpec("fp16"), give_up=0.05)  # cast block by block, stopped early
     assert stopped.error["partial"]
-    first = lossy._CAST_BLOCK
+    first = lossy._KERNEL_BLOCKS[0]
     assert torch.equal(stopped.parts["q"][:first], tiny[:first].to(torch.float16))  # the block that decided it
     for policy in ("fallback", "fail", "keep"):  # a partial result is never stored
         try:

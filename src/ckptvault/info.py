@@ -77,9 +77,14 @@ def info_from_manifest(manifest: dict[str, Any]) -> CheckpointInfo:
         codec = t["codec"] if lossy.get("codec", "lossless") == "lossless" else f"{_lossy_name(lossy)}+{t['codec']}"
         tensors.append(TensorInfo(t["path"], t["kind"], t["dtype"], tuple(t["shape"]),
                                   lossy.get("original_nbytes", t["nbytes"]), round(stored), codec,
-                                  lossy.get("error"), tuple(lossy.get("notes", ()))))
+                                  _error(lossy.get("error")), tuple(lossy.get("notes", ()))))
     return CheckpointInfo(
         step=manifest["step"], time=manifest["time"], logical_bytes=manifest["logical_bytes"],
         stored_bytes=manifest["stored_bytes"], added_bytes=manifest["added_bytes"], metrics=manifest["metrics"],
         metadata=manifest["metadata"], tensors=tensors, num_chunks=len(chunks),
     )
+
+
+def _error(stored: dict[str, Any] | None) -> dict[str, float] | None:
+    """A manifest's measured error with its numbers as floats (non-finite ones are stored as strings)."""
+    return None if stored is None else {k: float(v) if isinstance(v, str) else v for k, v in stored.items()}

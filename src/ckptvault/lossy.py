@@ -33,12 +33,12 @@ from __future__ import annotations
 import logging
 import math
 import re
-import threading
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
+import numpy as np
 import torch
 
 from .codecs import validate_codec_name
@@ -135,28 +135,24 @@ def encode(t: torch.Tensor, spec: LossySpec, base: torch.Tensor | None = None, g
     The primary part ``"q"`` goes to memory from ``alloc`` (a reused buffer makes the cast several
     times faster than fresh memory, which page-faults).
 
-    The error is that of ``decode`` of the parts against ``t``: float32 tensors are measured block by
-    block in scratch buffers (:func:`_measure_parts`), others through a full decode and :func:`measure`.
-    ``give_up``: stop measuring a float32 tensor as soon as more than this fraction of all its values is
-    known to be flushed, or one overflowed or became NaN; the error then covers the blocks measured and
-    says ``"partial": True`` (the result is unsafe for any ``max_flushed <= give_up``, and a bf16/fp16
-    result is cast only as far as it was measured: such a result is for deciding, never for storing).
+    The error is that of ``decode`` of the parts against ``t``. float32 tensors (with a float32 base) are
+    encoded and measured in one pass per block by the fused kernels of :mod:`ckptvault.lossy_kernels`;
+    others through torch, a full decode and :func:`measure`.
+    ``give_up``: stop a float32 encoding as soon as more than this fraction of all its values is known to
+    be flushed, or one overflowed or became NaN; the error then covers the blocks encoded and says
+    ``"partial": True``, and the parts hold only those blocks (the result is unsafe for any
+    ``max_flushed <= give_up``: such a result is for deciding, never for storing).
     """
     base = base if spec.kind == "residual-int8" else None  # only a residual has a base
-    fast = t.dtype == torch.float32 and (base is None or base.dtype == torch.float32)
+    if t.dtype == torch.float32 and (base is None or base.dtype == torch.float32):
+        return _encode_float32(t, spec, base, give_up, alloc)
     if spec.kind in ("bf16", "fp16"):  # copy_ rounds to nearest even, exactly as .to() does
-        q = alloc("q", tuple(t.shape), _CAST[spec.kind])
-        if fast:  # cast block by block while measuring, so each block is read from memory once
-            parts = {"q": q}
-            return Encoded(spec, parts, _measure_parts(t.reshape(-1), spec, parts, None, give_up, cast=True))
-        parts = {"q": q.copy_(t)}
+        parts = {"q": alloc("q", tuple(t.shape), _CAST[spec.kind]).copy_(t)}
     elif spec.kind == "int8-block":
         parts = _int8_block(t.reshape(-1), spec.block, alloc)
     else:
         assert base is not None, "residual-int8 needs the keyframe tensor"
         parts = _int8_block((t.float() - base.float()).reshape(-1), spec.block, alloc)
-    if fast:
-        return Encoded(spec, parts, _measure_parts(t.reshape(-1), spec, parts, base, give_up))
     restored = decode(spec, parts, t.dtype, list(t.shape), base)
     return Encoded(spec, parts, measure(t, restored))
 
@@ -174,148 +170,91 @@ def decode(spec: LossySpec, parts: dict[str, torch.Tensor], dtype: torch.dtype, 
 
 
 _CAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
+#: values per fused-kernel call, first and at most: the calls grow from the first to the last size, so a doomed
+#: attempt (one that will fall back) gives up after little work, and a long tensor costs few calls
+_KERNEL_BLOCKS = (1 << 16, 1 << 20)
+
+
+def _encode_float32(t: torch.Tensor, spec: LossySpec, base: torch.Tensor | None, give_up: float | None,
+                    alloc: Alloc) -> Encoded:
+    """:func:`encode` of a float32 tensor by the fused kernels, in calls of :data:`_KERNEL_BLOCKS` values."""
+    from . import lossy_kernels  # numba: imported (and its kernels loaded) on first lossy use only
+
+    flat = t.detach().reshape(-1)
+    n = flat.numel()
+    if spec.kind in ("bf16", "fp16"):
+        q = alloc("q", tuple(t.shape), _CAST[spec.kind])
+        parts, unit = {"q": q}, 1
+        bits, out = _numpy(flat, torch.int32).view(np.uint32), _numpy(q.reshape(-1), torch.int16).view(np.uint16)
+        cast = lossy_kernels.cast_bf16 if spec.kind == "bf16" else lossy_kernels.cast_fp16
+
+        def run(lo: int, hi: int) -> lossy_kernels.Sums:
+            return cast(bits[lo:hi], out[lo:hi])
+    else:
+        block = spec.block
+        q = alloc("q", (-(-n // block), block), torch.int8)
+        scale = alloc("scale", (q.shape[0],), torch.float32)
+        parts, unit = {"q": q.reshape(-1)[:n], "scale": scale}, block
+        values, out, scales = _numpy(flat), _numpy(q.reshape(-1)), _numpy(scale)
+        bases = None if base is None else _numpy(base.detach().reshape(-1))
+
+        def run(lo: int, hi: int) -> lossy_kernels.Sums:
+            blocks = scales[lo // block : -(-hi // block)]
+            if bases is None:
+                return lossy_kernels.quantise_int8(values[lo:hi], block, out[lo:hi], blocks)
+            return lossy_kernels.quantise_int8_residual(values[lo:hi], bases[lo:hi], block, out[lo:hi], blocks)
+    total = _Sums()
+    lo, step = 0, _KERNEL_BLOCKS[0]
+    while lo < n:
+        hi = min(n, lo + max(unit, step - step % unit))  # whole int8 blocks per call
+        total.add(run(lo, hi))
+        lo, step = hi, min(2 * step, _KERNEL_BLOCKS[1])
+        if give_up is not None and total.certainly_unsafe(give_up, n) and lo < n:
+            return Encoded(spec, parts, {**total.result(), "partial": True})  # the rest would not change that
+    return Encoded(spec, parts, total.result())
+
+
+def _numpy(t: torch.Tensor, dtype: torch.dtype | None = None) -> np.ndarray:
+    """A numpy view of CPU tensor ``t`` (reinterpreted as ``dtype``): the kernels write through it."""
+    return (t if dtype is None else t.view(dtype)).numpy()
+
+
+class _Sums:
+    """Running :data:`~ckptvault.lossy_kernels.Sums` over the blocks of one tensor."""
+
+    def __init__(self) -> None:
+        self.max_bits, self.err_sq, self.ref_sq = 0, 0.0, 0.0
+        self.nonzero = self.flushed = self.overflow = self.nan = 0
+
+    def add(self, sums: tuple[int, float, float, int, int, int, int]) -> None:
+        self.max_bits = max(self.max_bits, int(sums[0]))
+        self.err_sq, self.ref_sq = self.err_sq + sums[1], self.ref_sq + sums[2]
+        self.nonzero, self.flushed = self.nonzero + sums[3], self.flushed + sums[4]
+        self.overflow, self.nan = self.overflow + sums[5], self.nan + sums[6]
+
+    def certainly_unsafe(self, give_up: float, numel: int) -> bool:
+        return bool(self.overflow or self.nan or self.flushed > give_up * numel)
+
+    def result(self) -> dict[str, float]:
+        max_abs = float(np.array(self.max_bits, dtype=np.uint32).view(np.float32))
+        return _error_dict(max_abs, self.err_sq, self.ref_sq, self.flushed, self.nonzero, self.overflow, self.nan)
 
 
 def _int8_block(flat: torch.Tensor, block: int, alloc: Alloc = fresh) -> dict[str, torch.Tensor]:
     """q = round(x / scale) per block of ``block`` elements, scale = absmax / 127 (a NaN or inf block gives a
-    NaN scale, which ``measure`` reports). Works through rows in slices with one scratch buffer."""
+    NaN scale, which ``measure`` reports); the torch reference of :func:`lossy_kernels.quantise_int8`."""
     x = flat.float()
-    full = x.numel() - x.numel() % block
-    rows = x[:full].view(-1, block)
-    if full < x.numel():
-        rows = torch.cat([rows, torch.nn.functional.pad(x[full:], (0, block - x.numel() + full)).view(1, block)])
+    rows = torch.nn.functional.pad(x, (0, -x.numel() % block)).view(-1, block)
     scale = torch.maximum(torch.amax(rows, dim=1), torch.amin(rows, dim=1).neg_()) / 127.0  # aminmax(dim) is slower
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
     q = alloc("q", tuple(rows.shape), torch.int8)
-    step = max(1, _MEASURE_BLOCK // block)
-    scratch = _scratch("quantise", 1, min(step, rows.shape[0]) * block, torch.float32).view(-1, block)
-    for r0 in range(0, rows.shape[0], step):
-        buf = scratch[: min(step, rows.shape[0] - r0)]
-        torch.div(rows[r0 : r0 + step], safe[r0 : r0 + step, None], out=buf)
-        q[r0 : r0 + step].copy_(buf.round_().clamp_(-127, 127))
+    q.copy_(torch.div(rows, safe[:, None]).round_().clamp_(-127, 127))
     return {"q": q.reshape(-1)[: flat.numel()], "scale": scale.contiguous()}
 
 
 def _int8_unblock(q: torch.Tensor, scale: torch.Tensor, block: int, numel: int) -> torch.Tensor:
     padded = torch.nn.functional.pad(q.float(), (0, -numel % block)).reshape(-1, block)
     return (padded * scale[:, None]).reshape(-1)[:numel]
-
-
-_MEASURE_BLOCK = 1 << 20  # elements per block of the fast measurement (4 MiB of float32 scratch)
-_CAST_BLOCK = 1 << 18  # elements per block of a bf16/fp16 cast and its measurement: small enough to stay in cache
-_local = threading.local()
-_TINY = 2.0**-60  # a block's sum of squares above this: squares that underflow (< 2^-126 each) are negligible
-
-
-def _scratch(name: str, rows: int, n: int, dtype: torch.dtype) -> torch.Tensor:
-    """A (rows, n) scratch buffer of this thread, kept for the next call: fresh memory costs a page fault per
-    4 KiB, which made small tensors several times slower to encode than large ones."""
-    cache = _local.__dict__.setdefault("scratch", {})
-    buf = cache.get(name)
-    if buf is None or buf.shape[1] < n or buf.shape[0] != rows:
-        buf = cache[name] = torch.empty((rows, max(n, _MEASURE_BLOCK)), dtype=dtype)
-    return buf[:, :n]
-
-
-def _measure_parts(flat: torch.Tensor, spec: LossySpec, parts: dict[str, torch.Tensor],
-                   base: torch.Tensor | None, give_up: float | None = None, cast: bool = False) -> dict[str, float]:
-    """``measure(flat, decode(spec, parts, ...))`` for float32 ``flat``, without full-size temporaries.
-
-    ``cast`` (bf16/fp16): ``parts["q"]`` is still empty; each block is cast into it just before it is
-    measured, while the block is in cache. When measuring stops early, the rest is never cast.
-
-    Each block is decoded into a scratch buffer exactly as :func:`decode` computes it. Sums of squares
-    are float32 dot products (relative error ~1e-5). A block whose sums or extremes are not finite, or
-    whose sum of squares is so small (< 2^-60) that squares lost to underflow could matter, is measured
-    again in float64 (as :func:`measure` does).
-    """
-    n = flat.numel()
-    step = _CAST_BLOCK if spec.kind in ("bf16", "fp16") else max(1, _MEASURE_BLOCK // spec.block) * spec.block
-    scratch = _scratch("measure", 3, min(step, n), torch.float32)
-    flags = _scratch("flags", 2, min(step, n), torch.bool)
-    base_flat = None if base is None else base.reshape(-1)
-    total = _Totals()
-    for start in range(0, n, step):
-        a = flat[start : start + step]
-        restored, diff, squares = (buf[: a.numel()] for buf in scratch)
-        if cast:
-            parts["q"].view(-1)[start : start + step].copy_(a)
-        _decode_range(spec, parts, start, base_flat, restored)
-        zeros = _cast_has_zeros(parts["q"].view(-1)[start : start + step], squares) if cast else None
-        total.add(a, restored, diff, squares, flags[:, : a.numel()], spec.kind != "residual-int8", zeros)
-        if give_up is not None and (total.overflow or total.nan or total.flushed > give_up * n) and start + step < n:
-            return {**total.result(), "partial": True}  # certainly unsafe: the rest would not change that
-    return total.result()
-
-
-def _decode_range(spec: LossySpec, parts: dict[str, torch.Tensor], start: int, base: torch.Tensor | None,
-                  out: torch.Tensor) -> None:
-    """Elements ``start:start+len(out)`` of ``decode(spec, parts, float32, ...)`` into ``out``
-    (``start`` is a multiple of the int8 block)."""
-    out.copy_(parts["q"].reshape(-1)[start : start + out.numel()])
-    if spec.kind in ("bf16", "fp16"):
-        return
-    first, full = start // spec.block, out.numel() // spec.block
-    out[: full * spec.block].view(full, spec.block).mul_(parts["scale"][first : first + full, None])
-    if full * spec.block < out.numel():
-        out[full * spec.block :].mul_(parts["scale"][first + full])
-    if base is not None:
-        torch.add(base[start : start + out.numel()], out, out=out)
-
-
-def _cast_has_zeros(q: torch.Tensor, scratch: torch.Tensor) -> bool | None:
-    """False if 16-bit float ``q`` certainly has no zero (either sign), else None (count them). On the int16
-    view, whose abs is <= 0 only for +0.0 (0) and -0.0 (-32768 stays negative): half the bytes of float32."""
-    bits = q.view(torch.int16)
-    return None if int(torch.abs(bits, out=scratch.view(torch.int16)[: bits.numel()]).amin()) <= 0 else False
-
-
-def _zeros(x: torch.Tensor, scratch: torch.Tensor) -> int:
-    """How many elements of float32 ``x`` are zero (either sign). |x| goes to ``scratch``; the count runs
-    only if its minimum is 0, on the int32 view (3x faster than counting floats)."""
-    if not x.numel() or float(torch.abs(x, out=scratch).amin()) != 0.0:
-        return 0
-    return x.numel() - int(torch.count_nonzero(scratch.view(torch.int32)))
-
-
-class _Totals:
-    """Running sums of :func:`measure`'s statistics over blocks."""
-
-    def __init__(self) -> None:
-        self.max_abs = self.err_sq = self.ref_sq = 0.0
-        self.flushed = self.nonzero = self.overflow = self.nan = 0
-
-    def add(self, a: torch.Tensor, b: torch.Tensor, diff: torch.Tensor, squares: torch.Tensor,
-            flags: torch.Tensor, keeps_zeros: bool, b_has_zeros: bool | None = None) -> None:
-        """Add block ``a`` (original) / ``b`` (restored); ``keeps_zeros``: ``a == 0`` implies ``b == 0``;
-        ``b_has_zeros=False``: already known, so ``b``'s zeros are not counted."""
-        torch.sub(b, a, out=diff)
-        lo, hi = (float(v) for v in torch.aminmax(diff))
-        err, ref = float(torch.dot(diff, diff)), float(torch.dot(a, a))
-        zeros = 0 if b_has_zeros is False else _zeros(b, squares)
-        exact_zeros = keeps_zeros and not zeros  # then a has no zeros either: no need to look
-        nonzero = a.numel() - (0 if exact_zeros else _zeros(a, squares))
-        if not all(math.isfinite(v) for v in (lo, hi, err, ref)) or (ref < _TINY and nonzero):
-            self._merge(_measure_sums(a, b))  # float64, exact for any values
-            return
-        self.max_abs = max(self.max_abs, -lo, hi)
-        self.err_sq, self.ref_sq, self.nonzero = self.err_sq + err, self.ref_sq + ref, self.nonzero + nonzero
-        if not zeros:
-            return
-        if keeps_zeros:
-            self.flushed += nonzero - (b.numel() - zeros)
-        else:  # count the zeros of b where a was not zero
-            torch.logical_and(torch.ne(a, 0, out=flags[0]), torch.eq(b, 0, out=flags[1]), out=flags[0])
-            self.flushed += int(torch.count_nonzero(flags[0]))
-
-    def _merge(self, block: dict[str, float]) -> None:
-        self.max_abs = max(self.max_abs, block["max_abs"])
-        self.err_sq, self.ref_sq = self.err_sq + block["err_sq"], self.ref_sq + block["ref_sq"]
-        self.flushed, self.nonzero = self.flushed + int(block["flushed"]), self.nonzero + int(block["nonzero"])
-        self.overflow, self.nan = self.overflow + int(block["overflow"]), self.nan + int(block["nan"])
-
-    def result(self) -> dict[str, float]:
-        return _error_dict(self.max_abs, self.err_sq, self.ref_sq, self.flushed, self.nonzero, self.overflow, self.nan)
 
 
 def _numel(shape: list[int]) -> int:
@@ -344,7 +283,8 @@ def _measure_sums(a_all: torch.Tensor, b_all: torch.Tensor, block: int = 1 << 22
         finite = torch.isfinite(a)
         diff = torch.where(finite, b - a, torch.zeros_like(a))
         if diff.numel():
-            max_abs = max(max_abs, float(diff.abs().max()))
+            block_max = float(diff.abs().max())
+            max_abs = block_max if math.isnan(block_max) or block_max > max_abs else max_abs  # NaN sticks
         err_sq += float(torch.sum(diff.double() ** 2))
         ref_sq += float(torch.sum(torch.where(finite, a, torch.zeros_like(a)).double() ** 2))
         nonzero = (a != 0) & finite
@@ -365,6 +305,12 @@ def _error_dict(max_abs: float, err_sq: float, ref_sq: float, flushed: int, nonz
         "overflow": overflow,
         "nan": nan,
     }
+
+
+def error_for_manifest(error: dict[str, float]) -> dict[str, float | str]:
+    """``error`` with its non-finite numbers (an overflow's inf, a NaN's NaN) as the strings ``"inf"``,
+    ``"-inf"``, ``"nan"``: manifests are strict JSON. ``float()`` of each string gives the number back."""
+    return {k: v if isinstance(v, int) or math.isfinite(v) else str(v) for k, v in error.items()}
 
 
 def unsafe_reason(error: dict[str, float], policy: SafetyPolicy) -> str | None:

@@ -19,7 +19,18 @@ from typing import Any
 import torch
 
 from .arrays import empty_like_record, tensor_bytes, torch_dtype, torch_dtype_name, writable_bytes
-from .lossy import Alloc, Encoded, LossySpec, SafetyPolicy, applies_to, describe, encode_safely, fresh, parse_codec
+from .lossy import (
+    Alloc,
+    Encoded,
+    LossySpec,
+    SafetyPolicy,
+    applies_to,
+    describe,
+    encode_safely,
+    error_for_manifest,
+    fresh,
+    parse_codec,
+)
 from .parallel import map_all
 from .snapshot import ArrayRecord, Snapshot
 from .vault import Vault
@@ -130,7 +141,7 @@ def _stored_form(record: ArrayRecord, encoded: Encoded, lossless: str, notes: li
     primary = encoded.parts["q"]
     lossy = {**describe(encoded.spec), "stored_dtype": torch_dtype_name(primary.dtype),
              "stored_shape": list(primary.shape), "original_nbytes": record.nbytes,
-             "error": encoded.error, "parts": {}}
+             "error": error_for_manifest(encoded.error), "parts": {}}
     if notes:
         lossy["notes"] = notes
     if base_entry is not None:

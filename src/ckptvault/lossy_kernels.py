@@ -1,0 +1,165 @@
+"""Fused lossy kernels: cast or quantise float32 values and measure the error in one pass (numba).
+
+Each kernel reads a block of float32 values once, writes what is stored (16-bit floats, or int8 values and
+per-block scales), decodes each value exactly as :func:`ckptvault.lossy.decode` does, and returns the sums
+that :func:`ckptvault.lossy.measure` reports, as a :data:`Sums` tuple:
+
+``(max_abs_bits, err_sq, ref_sq, nonzero, flushed, overflow, nan)``
+
+* ``max_abs_bits``: the bit pattern of the largest ``|restored - original|`` over finite originals (compared
+  as integers, which orders non-negative floats; a NaN difference is larger than any number, as in torch);
+* ``err_sq``, ``ref_sq``: float64 sums of squared errors and of squared originals, over finite originals;
+* counts of finite non-zero originals, of those restored as zero, of finite originals restored as ±inf,
+  and of non-NaN originals restored as NaN.
+
+Contracts: the stored values are bit for bit what torch stores (``Tensor.to`` for bf16/fp16, which rounds to
+nearest even, NaN included as torch's vectorised cast writes it; ``round(x / scale)`` clamped to ±127 for
+int8). Sums may differ from a float64 reference in the last bits (they are reassociated to vectorise).
+All kernels release the GIL, so blocks of different tensors encode in parallel threads. They compile on first
+use and are cached on disk by numba.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import ir
+from numba import njit
+from numba.core import types
+from numba.extending import intrinsic
+
+Sums = tuple[int, float, float, int, int, int, int]
+
+_U32 = np.uint32
+_SIGN, _MAG, _INF = _U32(0x80000000), _U32(0x7FFFFFFF), _U32(0x7F800000)
+_FAST = {"reassoc"}  # lets the float64 sums vectorise; no contraction, so a decode equals torch's mul then add
+
+
+@intrinsic
+def _as_float(typingctx, bits):  # type: ignore[no-untyped-def]
+    """The float32 whose bit pattern is uint32 ``bits``."""
+    def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
+        return builder.bitcast(args[0], ir.FloatType())
+    return types.float32(types.uint32), codegen
+
+
+@intrinsic
+def _as_bits(typingctx, value):  # type: ignore[no-untyped-def]
+    """The uint32 bit pattern of float32 ``value``."""
+    def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
+        return builder.bitcast(args[0], ir.IntType(32))
+    return types.uint32(types.float32), codegen
+
+
+# numba widens uint32 arithmetic to 64 bits, which halves the lanes of a vectorised loop: each step below is
+# truncated back to uint32 (LLVM then keeps it 32-bit), and each choice is a select, not a branch.
+@njit(inline="always")
+def _bf16_bits(u):  # type: ignore[no-untyped-def]
+    """bfloat16 of float32 bits ``u``, rounded to nearest even; every NaN becomes 0xFFFF, as in torch's cast."""
+    rounded = _U32(_U32(u + _U32(0x7FFF) + _U32(_U32(u >> _U32(16)) & _U32(1))) >> _U32(16))
+    return _U32(0xFFFF) if _U32(u & _MAG) > _INF else rounded
+
+
+@intrinsic
+def _fp16_bits(typingctx, bits):  # type: ignore[no-untyped-def]
+    """float16 bits (in a uint32) of the float32 with bits ``bits``: LLVM's fptrunc, which is the CPU's own
+    conversion (F16C's vcvtps2ph on x86, as torch uses): nearest even, NaNs quieted keeping their top bits."""
+    def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
+        half = builder.fptrunc(builder.bitcast(args[0], ir.FloatType()), ir.HalfType())
+        return builder.zext(builder.bitcast(half, ir.IntType(16)), ir.IntType(32))
+    return types.uint32(types.uint32), codegen
+
+
+@intrinsic
+def _fp16_to_bits32(typingctx, half_bits):  # type: ignore[no-untyped-def]
+    """float32 bits of the float16 with bits ``half_bits`` (the low 16 of a uint32): exact."""
+    def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
+        half = builder.bitcast(builder.trunc(args[0], ir.IntType(16)), ir.HalfType())
+        return builder.bitcast(builder.fpext(half, ir.FloatType()), ir.IntType(32))
+    return types.uint32(types.uint32), codegen
+
+
+@njit(inline="always")
+def _contribution(u, b):  # type: ignore[no-untyped-def]
+    """One value's share of :data:`Sums`: original float32 bits ``u``, restored bits ``b``."""
+    finite = _U32(u & _MAG) < _INF
+    diff = _as_float(b) - _as_float(u)
+    counted = finite and _U32(u & _MAG) != 0
+    return (_U32(_as_bits(diff) & _MAG) if finite else _U32(0),
+            np.float64(diff) * np.float64(diff) if finite else 0.0,
+            np.float64(_as_float(u)) * np.float64(_as_float(u)) if finite else 0.0,
+            counted, counted and _U32(b & _MAG) == 0, finite and _U32(b & _MAG) == _INF,
+            _U32(u & _MAG) <= _INF and _U32(b & _MAG) > _INF)
+
+
+@njit(nogil=True, cache=True, fastmath=_FAST)
+def cast_bf16(x, q):  # type: ignore[no-untyped-def]
+    """Cast float32 bits ``x`` (uint32[n]) into bfloat16 bits ``q`` (uint16[n]); returns :data:`Sums`."""
+    max_bits, err_sq, ref_sq = _U32(0), 0.0, 0.0
+    nonzero = flushed = overflow = nan = 0
+    for i in range(x.size):
+        r = _bf16_bits(x[i])
+        q[i] = np.uint16(r)
+        m, e, a, c, f, o, n = _contribution(x[i], _U32(r << _U32(16)))
+        max_bits, err_sq, ref_sq = max(max_bits, m), err_sq + e, ref_sq + a
+        nonzero, flushed, overflow, nan = nonzero + c, flushed + f, overflow + o, nan + n
+    return max_bits, err_sq, ref_sq, nonzero, flushed, overflow, nan
+
+
+@njit(nogil=True, cache=True, fastmath=_FAST)
+def cast_fp16(x, q):  # type: ignore[no-untyped-def]
+    """Cast float32 bits ``x`` (uint32[n]) into float16 bits ``q`` (uint16[n]); returns :data:`Sums`."""
+    max_bits, err_sq, ref_sq = _U32(0), 0.0, 0.0
+    nonzero = flushed = overflow = nan = 0
+    for i in range(x.size):
+        h = _fp16_bits(x[i])
+        q[i] = np.uint16(h)
+        m, e, a, c, f, o, n = _contribution(x[i], _fp16_to_bits32(h))
+        max_bits, err_sq, ref_sq = max(max_bits, m), err_sq + e, ref_sq + a
+        nonzero, flushed, overflow, nan = nonzero + c, flushed + f, overflow + o, nan + n
+    return max_bits, err_sq, ref_sq, nonzero, flushed, overflow, nan
+
+
+@njit(inline="always")
+def _quantise_int8(x, base, block, q, scale, residual):  # type: ignore[no-untyped-def]
+    """The body of :func:`quantise_int8` and :func:`quantise_int8_residual` (``residual`` is a constant)."""
+    max_bits, err_sq, ref_sq = _U32(0), 0.0, 0.0
+    nonzero = flushed = overflow = nan = 0
+    for k in range((x.size + block - 1) // block):
+        # each block through slices: loops over range(lo, hi) of the whole arrays do not vectorise
+        xs, bs, qs = x[k * block : (k + 1) * block], base[k * block : (k + 1) * block], q[k * block : (k + 1) * block]
+        absmax_bits = _U32(0)  # as integers, NaN > inf > any number: the NaN propagates, as in torch.amax
+        for i in range(xs.size):
+            v = xs[i] - bs[i] if residual else xs[i]
+            absmax_bits = max(absmax_bits, _U32(_as_bits(v) & _MAG))
+        s = _as_float(absmax_bits) / np.float32(127.0)
+        scale[k] = s
+        divisor = s if s > 0 else np.float32(1.0)
+        for i in range(xs.size):
+            v = xs[i] - bs[i] if residual else xs[i]
+            r = np.rint(v / divisor)
+            r = min(max(r, np.float32(-127.0)), np.float32(127.0)) if r == r else np.float32(0.0)
+            qs[i] = np.int8(r)
+            restored = bs[i] + r * s if residual else r * s
+            m, e, a, c, f, o, n = _contribution(_as_bits(xs[i]), _as_bits(restored))
+            max_bits, err_sq, ref_sq = max(max_bits, m), err_sq + e, ref_sq + a
+            nonzero, flushed, overflow, nan = nonzero + c, flushed + f, overflow + o, nan + n
+    return max_bits, err_sq, ref_sq, nonzero, flushed, overflow, nan
+
+
+@njit(nogil=True, cache=True, fastmath=_FAST)
+def quantise_int8(x, block, q, scale):  # type: ignore[no-untyped-def]
+    """Per-block int8 of float32 ``x``; returns :data:`Sums` against ``x``.
+
+    Block ``k`` holds values ``k*block`` up to ``(k+1)*block`` (the last may be short); ``scale[k]`` =
+    absmax / 127 (NaN if the block holds a NaN, inf if it holds an inf); ``q = round(v / scale)`` clamped to
+    ±127, with a scale that is not > 0 replaced by 1 and a NaN quotient stored as 0. Decoding is
+    ``q * scale``.
+    """
+    return _quantise_int8(x, x, block, q, scale, False)
+
+
+@njit(nogil=True, cache=True, fastmath=_FAST)
+def quantise_int8_residual(x, base, block, q, scale):  # type: ignore[no-untyped-def]
+    """:func:`quantise_int8` of ``x - base`` (float32, same length); decoding is ``base + q * scale``.
+    Returns :data:`Sums` against ``x``."""
+    return _quantise_int8(x, base, block, q, scale, True)
