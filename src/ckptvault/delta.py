@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from .codecs.planes import split_planes
 from .errors import InvalidArgumentError, VaultError
 from .layout import ChunkPlan
 from .snapshot import ArrayRecord
@@ -68,27 +69,31 @@ class DeltaPolicy:
 
 
 class KeyframeCache:
-    """Raw bytes of the latest keyframe's chunks, kept in host memory so that deltas need no reads of it.
+    """The latest keyframe's chunks as byte planes, kept in host memory so that deltas need no reads of it.
 
-    Without it, every delta save reads its keyframe's chunks back from the store (a GET per chunk on S3) and
-    checks them. With it, a keyframe save keeps a copy of each chunk's raw bytes (one copy of the state in
-    host memory) and later delta saves against that keyframe encode against the copy. Call order, one save at
-    a time: :meth:`begin` when a keyframe save starts (frees the previous keyframe's bytes first), :meth:`add`
-    per chunk, then :meth:`commit` once its manifest is committed or :meth:`abort`; only a committed
-    keyframe's bytes are ever used. Thread-safe for the chunk writers of one save.
+    Without it, every delta save reads its keyframe's chunks back from the store (a GET per chunk on S3),
+    checks them and splits them into planes. With it, a keyframe save keeps each chunk split into its byte
+    planes (one copy of the state in host memory; the bytes past the last whole element are not needed)
+    and later delta saves against that keyframe encode against those planes. Call order, one save at a
+    time: :meth:`begin` when a keyframe save starts (frees the previous keyframe's planes first),
+    :meth:`add` per chunk, then :meth:`commit` once its manifest is committed or :meth:`abort`; only a
+    committed keyframe's planes are ever used. Thread-safe for the chunk writers of one save.
     """
 
     def __init__(self) -> None:
-        self._chunks: dict[str, np.ndarray] = {}
-        self._step: int | None = None  # the committed keyframe the bytes belong to
+        self._chunks: dict[str, np.ndarray] = {}  # chunk id -> typesize x n planes
+        self._step: int | None = None  # the committed keyframe the planes belong to
         self._filling: int | None = None
 
     def begin(self, step: int) -> None:
         self._chunks, self._step, self._filling = {}, None, step
 
-    def add(self, cid: str, raw: memoryview) -> None:
+    def add(self, cid: str, raw: memoryview, typesize: int) -> None:
+        """Keep chunk ``cid`` (``raw``, elements of ``typesize`` bytes) if a keyframe save is filling the cache.
+        The split writes fresh memory through numpy, without holding the GIL."""
         if self._filling is not None and cid not in self._chunks:
-            self._chunks[cid] = np.frombuffer(raw, dtype=np.uint8).copy()  # numpy copies without holding the GIL
+            planes = np.empty((typesize, len(raw) // typesize), dtype=np.uint8)
+            self._chunks[cid] = split_planes(raw, typesize, planes.reshape(-1))[0]
 
     def commit(self, step: int) -> None:
         if self._filling == step:
@@ -98,9 +103,10 @@ class KeyframeCache:
         if self._filling is not None:
             self._chunks, self._filling = {}, None
 
-    def raw(self, keyframe_step: int | None, cid: str) -> np.ndarray | None:
-        """The raw bytes of chunk ``cid`` of committed keyframe ``keyframe_step``, if cached."""
-        return self._chunks.get(cid) if keyframe_step is not None and keyframe_step == self._step else None
+    def planes(self, keyframe_step: int | None, cid: str, typesize: int) -> list[np.ndarray] | None:
+        """The byte planes of chunk ``cid`` of committed keyframe ``keyframe_step``, if cached with ``typesize``."""
+        planes = self._chunks.get(cid) if keyframe_step is not None and keyframe_step == self._step else None
+        return None if planes is None or planes.shape[0] != typesize else list(planes)
 
     @property
     def nbytes(self) -> int:

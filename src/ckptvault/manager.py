@@ -57,8 +57,8 @@ class CheckpointManager(MaintenanceMixin):
     caps that buffer (a larger state is saved synchronously), ``on_busy``
     says what a save does while another is in flight (``"wait"`` or ``"skip"``).
 
-    ``cache_keyframe=True`` keeps a copy of the latest keyframe's raw chunks in
-    host memory (one more copy of the state), so that delta saves encode
+    ``cache_keyframe=True`` keeps a copy of the latest keyframe's chunks (as byte
+    planes) in host memory (one more copy of the state), so that delta saves encode
     against it instead of reading the keyframe back from the store: worth it on
     object storage, where those reads are GETs of the whole keyframe.
     """

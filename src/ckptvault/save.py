@@ -25,7 +25,6 @@ import numpy as np
 
 from . import __version__
 from .codecs import BytePlanes, PlaneDelta, chain_for
-from .codecs.planes import split_planes
 from .delta import BaseRef, DeltaContext, find_bases
 from .delta_io import base_planes_for_save
 from .errors import CorruptChunkError, InvalidArgumentError, ObjectNotFoundError, SaveError, StepExistsError
@@ -108,7 +107,7 @@ class _ChunkWriter:
         raw = self._raw(plan)
         cid = chunk_id(raw)
         if self.cache is not None:
-            self.cache.add(cid, raw)
+            self.cache.add(cid, raw, plan.itemsize)
         if self._first_claim(cid):
             try:
                 created, stored, stored_base = self._store(cid, raw, plan, base)
@@ -164,10 +163,8 @@ class _ChunkWriter:
 
     def _base_planes(self, base_id: str, typesize: int) -> list[np.ndarray]:
         """The byte planes of keyframe chunk ``base_id``: from the keyframe cache, else read and verified."""
-        cached = None if self.cache is None else self.cache.raw(self.keyframe_step, base_id)
-        if cached is not None:
-            return list(split_planes(cached, typesize)[0])
-        return base_planes_for_save(self.vault.store, base_id, typesize)
+        cached = None if self.cache is None else self.cache.planes(self.keyframe_step, base_id, typesize)
+        return cached if cached is not None else base_planes_for_save(self.vault.store, base_id, typesize)
 
     def _existing_base(self, cid: str) -> str | None:
         if cid in self.known_bases:

@@ -129,18 +129,24 @@ class BytePlanes(BytesStage):
         packed = self.compress_if_pays(plane, ratio)
         return StoredPlane(plane if packed is None else packed, packed is not None, xor)
 
-    def sample_ratio(self, plane: memoryview) -> float:
+    def sample_ratio(self, plane: memoryview, xor_with: np.ndarray | None = None) -> float:
         """Compressed / raw size of ``SAMPLE`` bytes of ``plane``, taken as ``PIECES`` pieces spread over it
         (the whole plane if it is small). Spread pieces judge tensors whose halves differ (rows a batch
-        touched, rows it did not) where one piece from the middle misjudged them."""
+        touched, rows it did not) where one piece from the middle misjudged them. ``xor_with``: judge
+        ``plane`` XOR this (same length) instead, XORing only the pieces sampled."""
         n = len(plane)
         if not n:
             return 1.0
         if n <= 4 * SAMPLE:
-            return len(self.inner.encode(plane)) / n
-        size = SAMPLE // PIECES
-        starts = ((2 * i + 1) * n // (2 * PIECES) for i in range(PIECES))
-        return sum(len(self.inner.encode(plane[start : start + size])) for start in starts) / (size * PIECES)
+            pieces = [slice(0, n)]
+        else:
+            size = SAMPLE // PIECES
+            pieces = [slice(start, start + size) for start in ((2 * i + 1) * n // (2 * PIECES) for i in range(PIECES))]
+        if xor_with is None:
+            return sum(len(self.inner.encode(plane[p])) for p in pieces) / sum(p.stop - p.start for p in pieces)
+        values = np.frombuffer(plane, dtype=np.uint8)
+        return sum(len(self.inner.encode(memoryview(values[p] ^ xor_with[p]))) for p in pieces) / sum(
+            p.stop - p.start for p in pieces)
 
     def compress_if_pays(self, plane: memoryview, ratio: float | None = None) -> bytes | memoryview | None:
         """The plane compressed, or None if compressing it does not pay. ``ratio``: its sample ratio, if known."""

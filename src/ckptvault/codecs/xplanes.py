@@ -57,17 +57,16 @@ class PlaneDelta(BytePlanes):
         Judged on samples: a plane whose samples both stay above ``KEEP_BELOW`` is stored raw, on its own;
         where one sample is clearly smaller only that one is compressed; otherwise both are, and compared.
         """
-        xored = memoryview(np.bitwise_xor(np.frombuffer(plane, dtype=np.uint8), base))
-        own, delta = self.sample_ratio(plane), self.sample_ratio(xored)
+        own, delta = self.sample_ratio(plane), self.sample_ratio(plane, xor_with=base)
         if min(own, delta) >= KEEP_BELOW:
-            return StoredPlane(plane)
+            return StoredPlane(plane)  # noise either way: the XOR is never computed in full
         if delta < CLEAR_WIN * own:
-            chosen = self.store_plane(xored, xor=True, ratio=delta)
+            chosen = self.store_plane(_xored(plane, base), xor=True, ratio=delta)
             return chosen if chosen.compressed else StoredPlane(plane)
         alone = self.store_plane(plane, ratio=own)
         if own < CLEAR_WIN * delta:
             return alone
-        chosen = self.store_plane(xored, xor=True, ratio=delta)
+        chosen = self.store_plane(_xored(plane, base), xor=True, ratio=delta)
         return chosen if chosen.compressed and _size(chosen) < _size(alone) else alone
 
     def decode_against(self, data: memoryview, out_size: int, base_planes: Mapping[int, np.ndarray]) -> memoryview:
@@ -80,6 +79,13 @@ class PlaneDelta(BytePlanes):
                     raise ValueError(f"plane {k} is XORed with the base, but the base's plane {k} is missing")
                 planes[k] = np.bitwise_xor(planes[k], base, out=scratch(len(base), f"xor{k}"))
         return memoryview(assemble(planes, tail, np.empty(out_size, dtype=np.uint8)))  # type: ignore[arg-type]
+
+
+def _xored(plane: memoryview, base: np.ndarray) -> memoryview:
+    """``plane`` XOR ``base`` in this thread's scratch memory: a chosen XOR is kept only compressed (a copy),
+    so the scratch is free again once :meth:`PlaneDelta._choose` returns."""
+    out = scratch(len(base), "xor")
+    return memoryview(np.bitwise_xor(np.frombuffer(plane, dtype=np.uint8), base, out=out))
 
 
 def _size(plane: StoredPlane) -> int:
