@@ -3,15 +3,21 @@ plus what is particular to each of them."""
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import os
 import sys
 import threading
 from pathlib import Path
 
 import pytest
+import torch
 
-from ckptvault.errors import InvalidArgumentError, PermanentStorageError
+import ckptvault.stores.local as local_module
+from ckptvault import CheckpointManager
+from ckptvault.errors import InvalidArgumentError, PermanentStorageError, StorageError
 from ckptvault.stores import LocalStore, MemoryStore, Store, open_store
+from ckptvault.stores.local import LocalWriteBatch
 from ckptvault.stores.conformance import StoreConformance
 from conftest import drop_memory_store, fresh_memory_url
 
@@ -39,6 +45,61 @@ class TestLocalStore(StoreConformance):
         (store.root / "tmp" / "leftover.part").write_bytes(b"partial")
         assert {info.key for info in store.list()} == {"real"}
         assert [info.key for info in store.temp_files()] == ["tmp/leftover.part"]
+
+    def test_a_write_batch_shows_its_objects_only_once_they_are_synced(self, store: Store) -> None:
+        assert isinstance(store, LocalStore)
+        batch = store.write_batch()
+        assert isinstance(batch, LocalWriteBatch)  # Linux 5.8+, as here and in CI
+        assert batch.put_if_absent("chunks/aa/1", b"one") and batch.put_if_absent("chunks/bb/2", b"two")
+        assert not store.exists("chunks/aa/1") and len(store.temp_files()) == 2  # written, not yet linked
+        batch.finish()
+        assert bytes(store.get("chunks/aa/1")) == b"one" and store.temp_files() == []
+        abandoned = store.write_batch()
+        assert abandoned.put_if_absent("chunks/cc/3", b"three")
+        abandoned.abandon()
+        assert not store.exists("chunks/cc/3") and store.temp_files() == []
+
+    def test_a_save_syncs_the_file_system_twice_not_once_per_chunk(self, store: Store, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+        assert isinstance(store, LocalStore)
+        calls = {"fsync": 0, "syncfs": 0}
+        real_fsync, real_syncfs = os.fsync, local_module._syncfs
+
+        def counting_fsync(fd: int) -> None:
+            calls["fsync"] += 1
+            real_fsync(fd)
+
+        def counting_syncfs(fd: int) -> int:
+            calls["syncfs"] += 1
+            return real_syncfs(fd)  # type: ignore[misc]
+
+        state = {"w": torch.randn(64, 8192), "b": torch.randn(16384)}  # 33 chunks of 64 KiB
+        with CheckpointManager(store, chunk_size=64 << 10, async_save=False) as mgr:
+            mgr.save(0, {"w": torch.zeros(1)})  # the vault's config and first manifest, before counting
+            monkeypatch.setattr(local_module.os, "fsync", counting_fsync)
+            monkeypatch.setattr(local_module, "_syncfs", counting_syncfs)
+            mgr.save(1, state)
+            info = mgr.info(1)
+            assert info.num_chunks >= 33 and calls["syncfs"] == 2
+            assert calls["fsync"] <= 3  # the manifest's file and directories, not one per chunk
+            assert mgr.restore(1)["w"].equal(state["w"])
+
+    def test_a_failed_sync_fails_the_save_and_leaves_nothing(self, store: Store, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+        assert isinstance(store, LocalStore)
+
+        def failing_syncfs(fd: int) -> int:
+            ctypes.set_errno(errno.EIO)
+            return -1
+
+        state = {"w": torch.randn(64, 8192)}
+        with CheckpointManager(store, chunk_size=64 << 10, async_save=False) as mgr:
+            monkeypatch.setattr(local_module, "_syncfs", failing_syncfs)
+            with pytest.raises(StorageError, match="Input/output error"):
+                mgr.save(1, state)
+            assert mgr.steps() == [] and store.temp_files() == []
+            assert not any(info.key.startswith("chunks/") for info in store.list())  # never linked into place
+            monkeypatch.undo()
+            mgr.save(1, state)  # retried once the file system is healthy again
+            assert mgr.restore(1)["w"].equal(state["w"])
 
     @pytest.mark.parametrize("key", ["", "/abs", "../escape", "a/../../b"])
     def test_rejects_keys_outside_the_root(self, store: Store, key: str) -> None:

@@ -8,6 +8,9 @@ chunks already written are unreferenced garbage for ``gc``.
 
 Chunk writes may be retried freely: a chunk is named by the hash of its raw
 bytes and written with create-if-absent, so writing it twice is harmless.
+They go through the store's write batch (``Store.write_batch``), which
+:func:`write_chunks` finishes before it returns: every new chunk is durable
+and visible before :func:`commit` names it.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from .format.manifest import MANIFEST_FORMAT, encode_manifest, manifest_key
 from .layout import ChunkPlan, LeafSpec, Piece, plan_chunks
 from .parallel import map_all
 from .snapshot import ArrayRecord, Snapshot
+from .stores.base import WriteBatch
 from .vault import Vault
 
 log = logging.getLogger(__name__)
@@ -80,16 +84,23 @@ def write_chunks(vault: Vault, snapshot: Snapshot, progress: Progress | None = N
     specs = [LeafSpec(r.nbytes, r.itemsize, r.codec) for r in snapshot.records]
     plans, pieces = plan_chunks(specs, chunk_size, pack_threshold(chunk_size))
     bases = find_bases(plans, snapshot.records, delta.keyframe) if delta.keyframe else [None] * len(plans)
-    writer = _ChunkWriter(vault, snapshot, progress, delta)
-    results = map_all(vault.pool, writer.write, plans, bases)
+    batch = vault.store.write_batch()
+    writer = _ChunkWriter(vault, snapshot, progress, delta, batch)
+    try:
+        results = map_all(vault.pool, writer.write, plans, bases)
+        batch.finish()  # every new chunk durable and visible before commit() names it
+    except BaseException:
+        batch.abandon()
+        raise
     return results, pieces
 
 
 class _ChunkWriter:
     """Hash, dedup, encode and store one planned chunk; safe to call from many threads."""
 
-    def __init__(self, vault: Vault, snapshot: Snapshot, progress: Progress | None, delta: DeltaContext) -> None:
-        self.vault, self.snapshot, self.progress = vault, snapshot, progress
+    def __init__(self, vault: Vault, snapshot: Snapshot, progress: Progress | None, delta: DeltaContext,
+                 batch: WriteBatch) -> None:
+        self.vault, self.snapshot, self.progress, self.batch = vault, snapshot, progress, batch
         self.known_bases, self.keyframe_step = delta.known_bases, delta.keyframe_step
         self.cache = delta.cache  # a keyframe save fills it (it ignores adds otherwise); delta saves read it
         self._claimed: dict[str, threading.Event] = {}
@@ -132,7 +143,7 @@ class _ChunkWriter:
                 pass  # collected between exists() and touch(): write it again
         header, payload = self._encode(raw, plan, base)
         data = encode_object(header, payload)
-        if store.put_if_absent(key, data):
+        if self.batch.put_if_absent(key, data):
             return True, len(data), header.base
         return False, store.stat(key).size, self._existing_base(cid)
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from ckptvault.errors import RetryableStorageError
 from ckptvault.stores import LocalStore
-from ckptvault.stores.base import ObjectInfo
+from ckptvault.stores.base import ObjectInfo, WriteBatch
 from ckptvault.stores.local import _classified
 
 GATE_TIMEOUT = 60.0
@@ -52,6 +52,9 @@ class GatedStore(LocalStore):
         self._pass_gate(f"put_if_absent({key!r})")
         return super().put_if_absent(key, data)
 
+    def write_batch(self) -> WriteBatch:
+        return WriteBatch(self)  # chunk writes through put_if_absent, at the gate
+
 
 class QuotaStore(LocalStore):
     """LocalStore that holds at most ``quota`` bytes of new chunk objects (None: no limit)."""
@@ -74,3 +77,6 @@ class QuotaStore(LocalStore):
                 with _classified(str(Path(self.root, key))):  # the same error a full disk gives
                     raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         return super().put_if_absent(key, data)
+
+    def write_batch(self) -> WriteBatch:
+        return WriteBatch(self)  # chunk writes through put_if_absent, under the quota

@@ -7,6 +7,7 @@ import threading
 from pathlib import Path
 
 from ckptvault.errors import PermanentStorageError
+from ckptvault.stores.base import WriteBatch
 from ckptvault.stores.local import LocalStore
 
 
@@ -35,6 +36,9 @@ class CountingStore(LocalStore):
         if self.fail_chunk_writes and key.startswith("chunks/"):
             raise PermanentStorageError(f"injected failure writing {key}")
         return super().put_if_absent(key, data)
+
+    def write_batch(self) -> WriteBatch:
+        return WriteBatch(self)  # chunk writes through put_if_absent, where failures are injected
 
     def chunk_bytes_read(self) -> int:
         with self._lock:

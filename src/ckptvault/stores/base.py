@@ -12,6 +12,10 @@ Contract for implementations:
   the machine).
 * ``put_if_absent`` is the primitive that dedup and commit rest on: exactly one
   of several concurrent writers of one key gets ``True``.
+* :meth:`Store.write_batch` groups the chunk writes of one save: objects put
+  through a batch may become visible and durable only when the batch finishes
+  (a store where one sync for many objects is cheaper than one each overrides
+  it; the default writes each object durably at once).
 * Errors are classified by the store itself: :class:`ObjectNotFoundError` for
   a missing key, :class:`StorageFullError` when space runs out,
   :class:`RetryableStorageError` for transient faults and
@@ -82,5 +86,35 @@ class Store(abc.ABC):
         not delete a chunk an uncommitted save is about to reference.
         """
 
+    def write_batch(self) -> WriteBatch:
+        """A :class:`WriteBatch` for many new objects (the default: each one durable when put)."""
+        return WriteBatch(self)
+
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release connections or handles. The store is unusable afterwards."""
+
+
+class WriteBatch:
+    """New objects written together, durable and visible together (the chunks of one save).
+
+    Call order: :meth:`put_if_absent` from any number of threads, then :meth:`finish` once (every object put
+    is then durable and visible; if it raises, none is promised and the save must fail) or :meth:`abandon`
+    (objects not yet visible are discarded). Until :meth:`finish`, an object put may be invisible, so only
+    code that does not read it back (a save's chunk writer) may use a batch; a commit that names the
+    objects comes after :meth:`finish`. This base class writes through to :meth:`Store.put_if_absent`, so
+    each object is durable at once and both ends are no-ops.
+    """
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+
+    def put_if_absent(self, key: str, data: bytes | memoryview) -> bool:
+        """Create the object unless it exists. True if it did not exist when this call looked (two batches
+        racing for one key may both say True; the object is created once, with the same bytes)."""
+        return self.store.put_if_absent(key, data)
+
+    def finish(self) -> None:  # noqa: B027 - the write-through batch has nothing left to do
+        """Make every object put durable and visible."""
+
+    def abandon(self) -> None:  # noqa: B027 - the write-through batch has nothing left to do
+        """Discard the objects not yet visible (best effort; after a failed save)."""

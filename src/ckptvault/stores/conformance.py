@@ -207,6 +207,16 @@ class StoreConformance:
         assert _keys(store.list("chunks/")) == {key}
         assert bytes(store.get(key)) == b"chunk"
 
+    def test_write_batch_objects_exist_after_finish(self, store: Store) -> None:
+        store.put("batch/old", b"old")
+        batch = store.write_batch()
+        assert batch.put_if_absent("batch/new/1", b"one") is True
+        assert batch.put_if_absent("batch/new/2", b"") is True
+        assert batch.put_if_absent("batch/old", b"other") is False  # an existing object is never replaced
+        batch.finish()
+        assert [bytes(store.get(k)) for k in ("batch/new/1", "batch/new/2", "batch/old")] == [b"one", b"", b"old"]
+        assert _keys(store.list("batch/")) == {"batch/old", "batch/new/1", "batch/new/2"}
+
 
 def _keys(infos: Any) -> set[str]:
     return {info.key for info in infos}
