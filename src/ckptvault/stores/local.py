@@ -63,8 +63,9 @@ class LocalStore(Store):
         self._made_dirs.add(path)
 
     def _write_temp(self, data: bytes | memoryview, final: Path, sync: bool = True) -> Path:
-        """Write ``data`` to a new temp file for ``final`` (named in errors, e.g. when space runs out), fsynced
-        unless ``sync`` is False."""
+        """Write ``data`` to a new temp file for ``final`` (named in errors, e.g. when space runs out), fsynced;
+        with ``sync`` False, its write-back is only started (where the OS allows), so that a later
+        ``syncfs`` finds most of it already on disk."""
         tmp_dir = self.root / TMP_DIR
         self._ensure_dir(tmp_dir)
         tmp = tmp_dir / f"{uuid.uuid4().hex}.part"
@@ -78,6 +79,8 @@ class LocalStore(Store):
                         view = view[written:]
                     if sync:
                         os.fsync(fd)
+                    elif _start_writeback is not None:
+                        _start_writeback(fd, 0, 0, _SYNC_FILE_RANGE_WRITE)  # a hint: its result is not needed
                 finally:
                     os.close(fd)
         except BaseException:
@@ -287,6 +290,21 @@ def _find_syncfs():  # type: ignore[no-untyped-def]
 
 
 _syncfs = _find_syncfs()
+_SYNC_FILE_RANGE_WRITE = 2  # start write-back of the dirty pages, without waiting
+
+
+def _find_sync_file_range():  # type: ignore[no-untyped-def]
+    if _syncfs is None:
+        return None
+    try:
+        call = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (AttributeError, OSError):
+        return None
+    call.argtypes, call.restype = [ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_uint], ctypes.c_int
+    return call
+
+
+_start_writeback = _find_sync_file_range()
 
 
 def _fsync_dir(path: Path) -> None:
