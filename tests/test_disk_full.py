@@ -8,8 +8,9 @@ vault descriptor, directory or inode creation):
 * the failed step is not listed and no manifest file, whole or partial, exists for it;
 * every earlier checkpoint is intact: listed, bit-exact on restore, ``verify`` passes;
 * the leftovers are invisible and removable: the failed write removed its own temp file,
-  the chunks the save wrote before failing are complete but unreferenced, and gc (plan
-  with grace 0, then execute) removes exactly those; after freeing space the same save succeeds.
+  and so did the chunks written before it (a save's chunks are linked into place only once all
+  are written, see ``LocalWriteBatch``); any chunk that is there unreferenced is complete, and gc
+  (plan with grace 0, then execute) removes exactly those; after freeing space the same save succeeds.
 
 Mounting needs root (CAP_SYS_ADMIN); without it every test here is skipped with that reason.
 """
@@ -199,6 +200,7 @@ def test_disk_full_during_chunk_writes(tmp_path: Path, async_save: bool) -> None
         assert_intact(url, committed, failed)
         no_temp_files(url)
         garbage = leftover_chunks(url)
+        assert garbage == set()  # the failed save's chunks were never linked into place
         collect_garbage(url, garbage)
         assert_intact(url, committed, failed)
 
