@@ -91,32 +91,35 @@ def _contribution(u, b):  # type: ignore[no-untyped-def]
             _U32(u & _MAG) <= _INF and _U32(b & _MAG) > _INF)
 
 
-@njit(nogil=True, cache=True, fastmath=_FAST)
-def cast_bf16(x, q):  # type: ignore[no-untyped-def]
-    """Cast float32 bits ``x`` (uint32[n]) into bfloat16 bits ``q`` (uint16[n]); returns :data:`Sums`."""
+@njit(inline="always")
+def _cast(x, q, half):  # type: ignore[no-untyped-def]
+    """The body of :func:`cast_bf16` (``half`` False) and :func:`cast_fp16` (``half`` True, a constant)."""
     max_bits, err_sq, ref_sq = _U32(0), 0.0, 0.0
     nonzero = flushed = overflow = nan = 0
     for i in range(x.size):
-        r = _bf16_bits(x[i])
-        q[i] = np.uint16(r)
-        m, e, a, c, f, o, n = _contribution(x[i], _U32(r << _U32(16)))
+        if half:
+            stored = _fp16_bits(x[i])
+            restored = _fp16_to_bits32(stored)
+        else:
+            stored = _bf16_bits(x[i])
+            restored = _U32(stored << _U32(16))
+        q[i] = np.uint16(stored)
+        m, e, a, c, f, o, n = _contribution(x[i], restored)
         max_bits, err_sq, ref_sq = max(max_bits, m), err_sq + e, ref_sq + a
         nonzero, flushed, overflow, nan = nonzero + c, flushed + f, overflow + o, nan + n
     return max_bits, err_sq, ref_sq, nonzero, flushed, overflow, nan
+
+
+@njit(nogil=True, cache=True, fastmath=_FAST)
+def cast_bf16(x, q):  # type: ignore[no-untyped-def]
+    """Cast float32 bits ``x`` (uint32[n]) into bfloat16 bits ``q`` (uint16[n]); returns :data:`Sums`."""
+    return _cast(x, q, False)
 
 
 @njit(nogil=True, cache=True, fastmath=_FAST)
 def cast_fp16(x, q):  # type: ignore[no-untyped-def]
     """Cast float32 bits ``x`` (uint32[n]) into float16 bits ``q`` (uint16[n]); returns :data:`Sums`."""
-    max_bits, err_sq, ref_sq = _U32(0), 0.0, 0.0
-    nonzero = flushed = overflow = nan = 0
-    for i in range(x.size):
-        h = _fp16_bits(x[i])
-        q[i] = np.uint16(h)
-        m, e, a, c, f, o, n = _contribution(x[i], _fp16_to_bits32(h))
-        max_bits, err_sq, ref_sq = max(max_bits, m), err_sq + e, ref_sq + a
-        nonzero, flushed, overflow, nan = nonzero + c, flushed + f, overflow + o, nan + n
-    return max_bits, err_sq, ref_sq, nonzero, flushed, overflow, nan
+    return _cast(x, q, True)
 
 
 @njit(inline="always")
