@@ -88,12 +88,22 @@ class KeyframeCache:
     def begin(self, step: int) -> None:
         self._chunks, self._step, self._filling = {}, None, step
 
-    def add(self, cid: str, raw: memoryview, typesize: int) -> None:
+    @property
+    def filling(self) -> bool:
+        """Whether a keyframe save is filling the cache (between :meth:`begin` and :meth:`commit`/:meth:`abort`)."""
+        return self._filling is not None
+
+    def add(self, cid: str, raw: memoryview, typesize: int, planes: np.ndarray | None = None) -> None:
         """Keep chunk ``cid`` (``raw``, elements of ``typesize`` bytes) if a keyframe save is filling the cache.
-        The split writes fresh memory through numpy, without holding the GIL."""
+        ``planes``: its byte planes in memory nobody else writes (from :meth:`split`), else they are split here.
+        A chunk already kept is not split again."""
         if self._filling is not None and cid not in self._chunks:
-            planes = np.empty((typesize, len(raw) // typesize), dtype=np.uint8)
-            self._chunks[cid] = split_planes(raw, typesize, planes.reshape(-1))[0]
+            self._chunks[cid] = self.split(raw, typesize)[0] if planes is None else planes
+
+    @staticmethod
+    def split(raw: memoryview, typesize: int) -> tuple[np.ndarray, np.ndarray]:
+        """``split_planes(raw, typesize)`` into fresh memory (numpy, without holding the GIL)."""
+        return split_planes(raw, typesize, np.empty(len(raw) - len(raw) % typesize, dtype=np.uint8))
 
     def commit(self, step: int) -> None:
         if self._filling == step:

@@ -117,8 +117,6 @@ class _ChunkWriter:
     def write(self, plan: ChunkPlan, base: BaseRef | None) -> ChunkResult:
         raw = self._raw(plan)
         cid = chunk_id(raw)
-        if self.cache is not None:
-            self.cache.add(cid, raw, plan.itemsize)
         if self._first_claim(cid):
             try:
                 created, stored, stored_base = self._store(cid, raw, plan, base)
@@ -128,6 +126,8 @@ class _ChunkWriter:
         else:
             self._wait_for_claim(cid)
             created, (stored, stored_base) = False, self._done[cid]
+        if self.cache is not None:  # a keyframe save keeps every chunk's planes (an encoded one handed them over)
+            self.cache.add(cid, raw, plan.itemsize)
         if self.progress:
             self.progress(len(raw))
         return ChunkResult(cid, len(raw), stored, created, stored_base)
@@ -141,13 +141,13 @@ class _ChunkWriter:
                 return False, store.stat(key).size, self._existing_base(cid)
             except ObjectNotFoundError:
                 pass  # collected between exists() and touch(): write it again
-        header, payload = self._encode(raw, plan, base)
+        header, payload = self._encode(cid, raw, plan, base)
         data = encode_object(header, payload)
         if self.batch.put_if_absent(key, data):
             return True, len(data), header.base
         return False, store.stat(key).size, self._existing_base(cid)
 
-    def _encode(self, raw: memoryview, plan: ChunkPlan, base: BaseRef | None) -> tuple[ChunkHeader, Payload]:
+    def _encode(self, cid: str, raw: memoryview, plan: ChunkPlan, base: BaseRef | None) -> tuple[ChunkHeader, Payload]:
         """Encode in full, or against ``base`` plane by plane where XOR with the base's plane compresses better.
 
         The payload may be a list of buffers (viewing this thread's scratch memory) that :func:`encode_object`
@@ -170,6 +170,10 @@ class _ChunkWriter:
                 if uses_base and _size(parts) < len(raw):
                     return ChunkHeader(codec=[stage.spec()], raw=len(raw), base=base.id), parts
                 return _full(planes, raw, parts)  # no plane XORed: a plain planes payload
+        if self.cache is not None and self.cache.filling:  # split once, for the encoding and the cache
+            split = self.cache.split(raw, planes.typesize)
+            self.cache.add(cid, raw, planes.typesize, split[0])
+            return _full(planes, raw, planes.encode_parts(raw, split))
         return _full(planes, raw, planes.encode_parts(raw))
 
     def _base_planes(self, base_id: str, typesize: int) -> list[np.ndarray]:
