@@ -36,13 +36,16 @@ import re
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from .codecs import validate_codec_name
 from .errors import InvalidArgumentError, VaultError
+
+if TYPE_CHECKING:
+    from .lossy_kernels import Sums
 
 log = logging.getLogger(__name__)
 
@@ -188,7 +191,7 @@ def _encode_float32(t: torch.Tensor, spec: LossySpec, base: torch.Tensor | None,
         bits, out = _numpy(flat, torch.int32).view(np.uint32), _numpy(q.reshape(-1), torch.int16).view(np.uint16)
         cast = lossy_kernels.cast_bf16 if spec.kind == "bf16" else lossy_kernels.cast_fp16
 
-        def run(lo: int, hi: int) -> lossy_kernels.Sums:
+        def run(lo: int, hi: int) -> Sums:
             return cast(bits[lo:hi], out[lo:hi])
     else:
         block = spec.block
@@ -198,7 +201,7 @@ def _encode_float32(t: torch.Tensor, spec: LossySpec, base: torch.Tensor | None,
         values, out, scales = _numpy(flat), _numpy(q.reshape(-1)), _numpy(scale)
         bases = None if base is None else _numpy(base.detach().reshape(-1))
 
-        def run(lo: int, hi: int) -> lossy_kernels.Sums:
+        def run(lo: int, hi: int) -> Sums:
             blocks = scales[lo // block : -(-hi // block)]
             if bases is None:
                 return lossy_kernels.quantise_int8(values[lo:hi], block, out[lo:hi], blocks)
@@ -226,7 +229,7 @@ class _Sums:
         self.max_bits, self.err_sq, self.ref_sq = 0, 0.0, 0.0
         self.nonzero = self.flushed = self.overflow = self.nan = 0
 
-    def add(self, sums: tuple[int, float, float, int, int, int, int]) -> None:
+    def add(self, sums: Sums) -> None:
         self.max_bits = max(self.max_bits, int(sums[0]))
         self.err_sq, self.ref_sq = self.err_sq + sums[1], self.ref_sq + sums[2]
         self.nonzero, self.flushed = self.nonzero + sums[3], self.flushed + sums[4]
