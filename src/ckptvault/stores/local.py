@@ -274,37 +274,27 @@ class LocalWriteBatch(WriteBatch):
                 os.close(fd)
 
 
-def _find_syncfs():  # type: ignore[no-untyped-def]
-    """libc's ``syncfs`` on Linux 5.8+ (which reports write-back errors), else None."""
+def _linux_call(name: str, argtypes: list[type], minimum: tuple[int, int]):  # type: ignore[no-untyped-def]
+    """libc's ``name`` with ``argtypes`` (returning int) on Linux ``minimum`` or later, else None."""
     if not sys.platform.startswith("linux"):
         return None
     try:
-        major, minor = (int(x) for x in platform.release().split(".")[:2])
-        syncfs = ctypes.CDLL(None, use_errno=True).syncfs
+        release = tuple(int(x) for x in platform.release().split(".")[:2])
+        call = getattr(ctypes.CDLL(None, use_errno=True), name)
     except (ValueError, AttributeError, OSError):
         return None
-    if (major, minor) < (5, 8):
+    if release < minimum:
         return None
-    syncfs.argtypes, syncfs.restype = [ctypes.c_int], ctypes.c_int
-    return syncfs
-
-
-_syncfs = _find_syncfs()
-_SYNC_FILE_RANGE_WRITE = 2  # start write-back of the dirty pages, without waiting
-
-
-def _find_sync_file_range():  # type: ignore[no-untyped-def]
-    if _syncfs is None:
-        return None
-    try:
-        call = ctypes.CDLL(None, use_errno=True).sync_file_range
-    except (AttributeError, OSError):
-        return None
-    call.argtypes, call.restype = [ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_uint], ctypes.c_int
+    call.argtypes, call.restype = argtypes, ctypes.c_int
     return call
 
 
-_start_writeback = _find_sync_file_range()
+#: syncfs(fd): reports write-back errors since Linux 5.8; without it, write batches are not used
+_syncfs = _linux_call("syncfs", [ctypes.c_int], (5, 8))
+#: sync_file_range(fd, offset, nbytes, flags), a hint used only alongside syncfs
+_start_writeback = _linux_call("sync_file_range", [ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_uint],
+                               (5, 8))
+_SYNC_FILE_RANGE_WRITE = 2  # start write-back of the dirty pages, without waiting
 
 
 def _fsync_dir(path: Path) -> None:
