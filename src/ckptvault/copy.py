@@ -5,7 +5,8 @@ objects the destination lacks and their sizes), then :func:`execute_copy`.
 :func:`copy_checkpoints` does both.
 
 Per step, execute copies the missing chunk objects (byte for byte, so
-deltas stay deltas), ``touch``es the chunks the destination already holds
+deltas stay deltas, through the destination's write batch, which it
+finishes before the manifest: see ``Store.write_batch``), ``touch``es the chunks the destination already holds
 (protecting them from a concurrent gc there, as a save does), and only then
 writes the manifest, create-if-absent: the step appears in the destination
 atomically, and a copy interrupted at any moment leaves only unreferenced
@@ -34,6 +35,7 @@ from .format.chunk_object import chunk_key
 from .format.manifest import manifest_key
 from .parallel import map_all
 from .stores import Store
+from .stores.base import WriteBatch
 from .vault import DESCRIPTOR_KEY, Vault
 from .verify import verify_steps
 
@@ -146,8 +148,14 @@ def execute_copy(src: Vault, dst: Vault, plan: CopyPlan, *, overwrite: bool = Fa
     sent: set[str] = set()
     for item in plan.steps:
         keys = [chunk_key(cid) for cid in item.chunks]
-        outcomes = map_all(src.pool, lambda key: _transfer(src.store, dst.store, key, key in plan.send and key not in
-                                                           sent, progress), keys)
+        batch = dst.store.write_batch()  # the step's new chunks become durable together, before its manifest
+        try:
+            outcomes = map_all(src.pool, lambda key, batch=batch: _transfer(
+                src.store, dst.store, batch, key, key in plan.send and key not in sent, progress), keys)
+            batch.finish()
+        except BaseException:
+            batch.abandon()
+            raise
         for key, size in zip(keys, outcomes, strict=True):
             if size is not None:
                 sent.add(key)
@@ -170,8 +178,8 @@ def execute_copy(src: Vault, dst: Vault, plan: CopyPlan, *, overwrite: bool = Fa
     return result
 
 
-def _transfer(src: Store, dst: Store, key: str, send: bool, progress: Progress | None) -> int | None:
-    """Send one chunk object (returns its size) or touch the destination's copy (returns None)."""
+def _transfer(src: Store, dst: Store, batch: WriteBatch, key: str, send: bool, progress: Progress | None) -> int | None:
+    """Send one chunk object through ``batch`` (returns its size) or touch the destination's copy (returns None)."""
     if not send:
         try:
             dst.touch(key)  # the destination's gc must not take it before our manifest names it
@@ -182,7 +190,7 @@ def _transfer(src: Store, dst: Store, key: str, send: bool, progress: Progress |
         data = src.get(key)
     except ObjectNotFoundError:
         raise CorruptChunkError(key.rsplit("/", 1)[-1], f"it is missing from the source vault {src.url}") from None
-    dst.put_if_absent(key, data)
+    batch.put_if_absent(key, data)
     if progress is not None:
         progress(len(data))
     return len(data)
