@@ -131,23 +131,27 @@ class BytePlanes(BytesStage):
         return StoredPlane(plane if packed is None else packed, packed is not None, xor)
 
     def sample_ratio(self, plane: memoryview, xor_with: np.ndarray | None = None) -> float:
-        """Compressed / raw size of ``SAMPLE`` bytes of ``plane``, taken as ``PIECES`` pieces spread over it
-        (the whole plane if it is small). Spread pieces judge tensors whose halves differ (rows a batch
-        touched, rows it did not) where one piece from the middle misjudged them. ``xor_with``: judge
-        ``plane`` XOR this (same length) instead, XORing only the pieces sampled."""
+        """Compressed / raw size of ``SAMPLE`` bytes of ``plane``, taken as ``PIECES`` pieces spread over it and
+        compressed as one (the whole plane if it is small). Spread pieces judge tensors whose halves differ
+        (rows a batch touched, rows it did not) where one piece from the middle misjudged them; one call
+        instead of one per piece costs a third of the time. ``xor_with``: judge ``plane`` XOR this (same
+        length) instead, XORing only the pieces sampled."""
         n = len(plane)
         if not n:
             return 1.0
+        values = np.frombuffer(plane, dtype=np.uint8)
         if n <= 4 * SAMPLE:
-            pieces = [slice(0, n)]
+            sample = values if xor_with is None else values ^ xor_with
         else:
             size = SAMPLE // PIECES
-            pieces = [slice(start, start + size) for start in ((2 * i + 1) * n // (2 * PIECES) for i in range(PIECES))]
-        if xor_with is None:
-            return sum(len(self.inner.encode(plane[p])) for p in pieces) / sum(p.stop - p.start for p in pieces)
-        values = np.frombuffer(plane, dtype=np.uint8)
-        return sum(len(self.inner.encode(memoryview(values[p] ^ xor_with[p]))) for p in pieces) / sum(
-            p.stop - p.start for p in pieces)
+            starts = [(2 * i + 1) * n // (2 * PIECES) for i in range(PIECES)]
+            sample = scratch(SAMPLE, "sample").reshape(PIECES, size)
+            for row, start in zip(sample, starts):
+                if xor_with is None:
+                    row[:] = values[start : start + size]
+                else:
+                    np.bitwise_xor(values[start : start + size], xor_with[start : start + size], out=row)
+        return len(self.inner.encode(memoryview(sample).cast("B"))) / sample.size
 
     def compress_if_pays(self, plane: memoryview, ratio: float | None = None) -> bytes | memoryview | None:
         """The plane compressed, or None if compressing it does not pay. ``ratio``: its sample ratio, if known."""
