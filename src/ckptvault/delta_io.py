@@ -45,9 +45,9 @@ def base_planes_for_save(store: Store, base_id: str, typesize: int) -> list[np.n
         planes, _entries, tail = stage.decode_planes(payload, header.raw)
     except Exception as exc:  # any decoder failure means damaged bytes
         raise CorruptChunkError(base_id, f"payload does not decode ({type(exc).__name__}: {exc})") from None
-    if chunk_id(assemble(planes, tail, scratch(header.raw, "verify"))) != base_id:  # type: ignore[arg-type]
+    if chunk_id(assemble(planes, tail, scratch(header.raw, "verify"))) != base_id:
         raise CorruptChunkError(base_id, _MISMATCH)
-    return planes  # type: ignore[return-value]
+    return planes
 
 
 def read_plane_delta(store: Store, cid: str, header: ChunkHeader, payload: memoryview) -> memoryview:
@@ -101,18 +101,8 @@ def _ranged_planes(store: Store, key: str, payload_start: int, stage: BytePlanes
     span = memoryview(store.get_range(key, payload_start + first, last - first))
     if len(span) != last - first:
         raise ValueError(f"object ends {last - first - len(span)} bytes before its plane table says")
-    planes = {}
-    for k in needed:
-        entry = entries[k]
-        stored = span[entry.offset - first : entry.offset - first + entry.length]
-        try:
-            plane = stage.inner.decode(stored, plane_len) if entry.compressed else stored
-        except Exception as exc:  # any decoder failure means damaged bytes
-            raise ValueError(f"plane {k} does not decode ({type(exc).__name__}: {exc})") from None
-        if len(plane) != plane_len:
-            raise ValueError(f"plane {k} decoded to {len(plane)} bytes, expected {plane_len}")
-        planes[k] = np.frombuffer(plane, dtype=np.uint8)
-    return planes
+    return {k: stage.decode_plane(k, span[entries[k].offset - first : entries[k].offset - first + entries[k].length],
+                                  entries[k], plane_len) for k in needed}
 
 
 def _decode_base(store: Store, base_id: str, verify: bool) -> bytes | memoryview:

@@ -160,34 +160,32 @@ class BytePlanes(BytesStage):
         packed = self.inner.encode(plane) if len(plane) else b""
         return packed if len(packed) < KEEP_BELOW * len(plane) else None
 
-    def decode_planes(self, data: memoryview, out_size: int, only: set[int] | None = None
-                      ) -> tuple[list[np.ndarray | None], list[PlaneEntry], memoryview]:
-        """Decoded planes (None for planes not in ``only``), the table, and the tail bytes.
-
-        Planes stored raw are returned as read-only views of ``data``.
-        """
+    def decode_planes(self, data: memoryview, out_size: int) -> tuple[list[np.ndarray], list[PlaneEntry], memoryview]:
+        """Decoded planes, the table, and the tail bytes. Planes stored raw are read-only views of ``data``."""
         entries, tail_start = plane_table(data, self.typesize)
         plane_len = out_size // self.typesize
-        planes: list[np.ndarray | None] = []
-        for k, entry in enumerate(entries):
-            if only is not None and k not in only:
-                planes.append(None)
-                continue
-            stored = data[entry.offset : entry.offset + entry.length]
-            plane = self.inner.decode(stored, plane_len) if entry.compressed else stored
-            if len(plane) != plane_len:
-                raise ValueError(f"plane {k} decoded to {len(plane)} bytes, expected {plane_len}")
-            planes.append(np.frombuffer(plane, dtype=np.uint8))
+        planes = [self.decode_plane(k, data[e.offset : e.offset + e.length], e, plane_len) for k, e in enumerate(entries)]
         tail = data[tail_start:]
-        if only is None and len(tail) != out_size - plane_len * self.typesize:
+        if len(tail) != out_size - plane_len * self.typesize:
             raise ValueError("tail length does not match")
         return planes, entries, tail
+
+    def decode_plane(self, k: int, stored: memoryview, entry: PlaneEntry, plane_len: int) -> np.ndarray:
+        """Plane ``k`` from its ``stored`` bytes, as ``entry`` of the table describes them (raw: a view).
+        Raises ValueError if it does not decode to ``plane_len`` bytes."""
+        try:
+            plane = self.inner.decode(stored, plane_len) if entry.compressed else stored
+        except Exception as exc:  # any decoder failure means damaged bytes
+            raise ValueError(f"plane {k} does not decode ({type(exc).__name__}: {exc})") from None
+        if len(plane) != plane_len:
+            raise ValueError(f"plane {k} decoded to {len(plane)} bytes, expected {plane_len}")
+        return np.frombuffer(plane, dtype=np.uint8)
 
     def decode(self, data: memoryview, out_size: int) -> memoryview:
         planes, entries, tail = self.decode_planes(data, out_size)
         if any(e.xor for e in entries):
             raise ValueError("payload has planes XORed with a delta base, but its stage is not 'xplanes'")
-        return memoryview(assemble(planes, tail, np.empty(out_size, dtype=np.uint8)))  # type: ignore[arg-type]
+        return memoryview(assemble(planes, tail, np.empty(out_size, dtype=np.uint8)))
 
     def spec(self) -> Spec:
         return {"id": self.id, "typesize": self.typesize, "inner": self.inner.spec()}

@@ -75,10 +75,10 @@ class PlaneDelta(BytePlanes):
         for k, entry in enumerate(entries):
             if entry.xor:
                 base = base_planes.get(k)
-                if base is None or len(base) != len(planes[k]):  # type: ignore[arg-type]
+                if base is None or len(base) != len(planes[k]):
                     raise ValueError(f"plane {k} is XORed with the base, but the base's plane {k} is missing")
                 planes[k] = np.bitwise_xor(planes[k], base, out=scratch(len(base), f"xor{k}"))
-        return memoryview(assemble(planes, tail, np.empty(out_size, dtype=np.uint8)))  # type: ignore[arg-type]
+        return memoryview(assemble(planes, tail, np.empty(out_size, dtype=np.uint8)))
 
 
 def _xored(plane: memoryview, base: np.ndarray) -> memoryview:
