@@ -12,6 +12,7 @@ restore gives exactly what the manifest promises.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 from dataclasses import replace
 from typing import Any
@@ -56,9 +57,7 @@ class LossyBuffers:
         """An :data:`~ckptvault.lossy.Alloc` for record ``path``: its buffer from the last save, grown if needed."""
 
         def alloc(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-            nbytes = dtype.itemsize
-            for size in shape:
-                nbytes *= size
+            nbytes = dtype.itemsize * math.prod(shape)
             with self._lock:
                 key = (path, name)
                 buffer = self._buffers.get(key)
