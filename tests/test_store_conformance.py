@@ -17,8 +17,8 @@ import ckptvault.stores.local as local_module
 from ckptvault import CheckpointManager
 from ckptvault.errors import InvalidArgumentError, PermanentStorageError, StorageError
 from ckptvault.stores import LocalStore, MemoryStore, Store, open_store
-from ckptvault.stores.local import LocalWriteBatch
 from ckptvault.stores.conformance import StoreConformance
+from ckptvault.stores.local import LocalWriteBatch
 from conftest import drop_memory_store, fresh_memory_url
 
 
