@@ -34,7 +34,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .codecs.planes import split_planes
-from .errors import InvalidArgumentError, VaultError
+from .errors import InvalidArgumentError, ObjectNotFoundError, StepNotFoundError, VaultError
+from .format.manifest import manifest_key
+from .guard import ManifestGuard
 from .layout import ChunkPlan
 from .snapshot import ArrayRecord
 
@@ -129,14 +131,16 @@ class DeltaContext:
 
     ``keyframe``: the keyframe's manifest, or None when this save writes a
     keyframe. ``known_bases``: chunk id -> delta base (or None) for chunks of
-    recent manifests, so reusing them needs no header read. ``cache``: the
-    saver's keyframe cache, if it keeps one.
+    recent manifests, so reusing them needs no header read. ``guard``: those
+    manifests as stat'ed before they were read, so the chunks they name need
+    no touch (``guard.py``). ``cache``: the saver's keyframe cache, if it keeps one.
     """
 
     keyframe: dict[str, Any] | None = None
     known_bases: dict[str, str | None] = field(default_factory=dict)
     since_keyframe: int = 0
     cache: KeyframeCache | None = None
+    guard: ManifestGuard = field(default_factory=ManifestGuard)
 
     @property
     def keyframe_step(self) -> int | None:
@@ -147,23 +151,38 @@ def delta_context(vault: Vault, policy: DeltaPolicy, step: int) -> DeltaContext:
     """Decide whether checkpoint ``step`` is a keyframe and, if not, against which keyframe.
 
     Reads at most two manifests (the latest committed before ``step`` and its
-    keyframe). A keyframe that was deleted, or any unreadable manifest, simply
-    makes this save a keyframe.
+    keyframe), each stat'ed first for the save's :class:`ManifestGuard`. A
+    keyframe that was deleted, or any unreadable manifest, simply makes this
+    save a keyframe.
     """
     earlier = [s for s in vault.steps() if s < step]
     if not policy.enabled or not earlier:
         return DeltaContext()
+    watched: dict[str, tuple[int, float]] = {}
     try:
-        latest = vault.read_manifest(earlier[-1])
+        latest = _read_watched(vault, earlier[-1], watched)
         key_step = latest.get("keyframe_step", latest["step"])
-        keyframe = latest if key_step == latest["step"] else vault.read_manifest(key_step)
+        keyframe = latest if key_step == latest["step"] else _read_watched(vault, key_step, watched)
     except VaultError as exc:
         log.info("writing a keyframe: no usable previous keyframe (%s)", exc)
         return DeltaContext()
     known = {c["id"]: c.get("base") for m in (keyframe, latest) for c in m["chunks"]}
+    guard = ManifestGuard(watched, known)
     if policy.needs_keyframe(latest, keyframe):
-        return DeltaContext(known_bases=known)
-    return DeltaContext(keyframe, known, latest.get("since_keyframe", 0) + 1)
+        return DeltaContext(known_bases=known, guard=guard)
+    return DeltaContext(keyframe, known, latest.get("since_keyframe", 0) + 1, guard=guard)
+
+
+def _read_watched(vault: Vault, step: int, watched: dict[str, tuple[int, float]]) -> dict[str, Any]:
+    """Manifest of ``step``, after noting its size and mtime in ``watched`` (stat first: what is read is at least
+    as new as what was noted, so a change in between shows as a change)."""
+    key = manifest_key(step)
+    try:
+        info = vault.store.stat(key)
+    except ObjectNotFoundError:
+        raise StepNotFoundError(step, vault.url) from None
+    watched[key] = (info.size, info.mtime)
+    return vault.read_manifest(step)
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,7 @@ from .errors import CorruptChunkError, InvalidArgumentError, ObjectNotFoundError
 from .format import FORMAT_VERSION
 from .format.chunk_object import ChunkHeader, chunk_id, chunk_key, encode_object
 from .format.manifest import MANIFEST_FORMAT, encode_manifest, manifest_key
+from .guard import ManifestGuard
 from .layout import ChunkPlan, LeafSpec, Piece, plan_chunks
 from .parallel import map_all
 from .snapshot import ArrayRecord, Snapshot
@@ -101,7 +102,7 @@ class _ChunkWriter:
     def __init__(self, vault: Vault, snapshot: Snapshot, progress: Progress | None, delta: DeltaContext,
                  batch: WriteBatch) -> None:
         self.vault, self.snapshot, self.progress, self.batch = vault, snapshot, progress, batch
-        self.known_bases, self.keyframe_step = delta.known_bases, delta.keyframe_step
+        self.known_bases, self.keyframe_step, self.guard = delta.known_bases, delta.keyframe_step, delta.guard
         self.cache = delta.cache  # a keyframe save fills it (it ignores adds otherwise); delta saves read it
         self._claimed: dict[str, threading.Event] = {}
         self._done: dict[str, tuple[int, str | None]] = {}
@@ -135,12 +136,13 @@ class _ChunkWriter:
     def _store(self, cid: str, raw: memoryview, plan: ChunkPlan, base: BaseRef | None) -> tuple[bool, int, str | None]:
         """Encode and write the chunk unless the vault has it. Returns (created, stored size, delta base)."""
         store, key = self.vault.store, chunk_key(cid)
-        if store.exists(key):
-            try:
+        try:
+            size = store.stat(key).size
+            if not self.guard.skips_touch(cid):
                 store.touch(key)  # protects the reused chunk from gc until this save commits
-                return False, store.stat(key).size, self._existing_base(cid)
-            except ObjectNotFoundError:
-                pass  # collected between exists() and touch(): write it again
+            return False, size, self._existing_base(cid)
+        except ObjectNotFoundError:
+            pass  # absent, or collected between stat() and touch(): write it
         header, payload = self._encode(cid, raw, plan, base)
         data = encode_object(header, payload)
         if self.batch.put_if_absent(key, data):
@@ -160,7 +162,8 @@ class _ChunkWriter:
         assert isinstance(planes, BytePlanes) and len(stages) == 1
         if base is not None:
             try:
-                self.vault.store.touch(chunk_key(base.id))  # a base must outlive this save, like a reused chunk
+                if not self.guard.skips_touch(base.id):
+                    self.vault.store.touch(chunk_key(base.id))  # a base must outlive this save, like a reused chunk
                 base_planes = self._base_planes(base.id, planes.typesize)
             except (ObjectNotFoundError, CorruptChunkError) as exc:
                 log.warning("cannot use delta base %s (%s); storing the chunk in full", base.id, exc)
@@ -277,7 +280,8 @@ def _tensor_entry(record: ArrayRecord, pieces: list[Piece], remap: list[int], ta
     return entry
 
 
-def commit(vault: Vault, step: int, manifest: dict[str, Any], overwrite: bool) -> None:
+def commit(vault: Vault, step: int, manifest: dict[str, Any], overwrite: bool, guard: ManifestGuard | None = None
+           ) -> None:
     """Make the checkpoint visible. Atomic: afterwards it is either fully committed or absent.
 
     Before writing the manifest, every chunk it names and every delta base is
@@ -285,7 +289,11 @@ def commit(vault: Vault, step: int, manifest: dict[str, Any], overwrite: bool) -
     period, which a reused chunk, a delta base whose keyframe was pruned, or a
     chunk written early in a save longer than the grace period could be. A
     missing one fails the save with nothing committed; the save may be retried.
+    First, ``guard`` touches the chunks the save reused untouched if a manifest
+    it relied on changed meanwhile (``guard.py``).
     """
+    if guard is not None:
+        guard.ensure(vault.store, vault.pool)
     needed = sorted({c["id"] for c in manifest["chunks"]} | {c["base"] for c in manifest["chunks"] if c.get("base")})
     present = map_all(vault.pool, lambda cid: vault.store.exists(chunk_key(cid)), needed)
     missing = [cid for cid, ok in zip(needed, present) if not ok]

@@ -118,7 +118,7 @@ class Saver:
             chunks, pieces = write_chunks(self.vault, snapshot, request.progress, delta)
             manifest = build_manifest(request.step, snapshot, chunks, pieces, request.metrics, request.metadata,
                                       delta.keyframe_step, delta.since_keyframe)
-            commit(self.vault, request.step, manifest, request.overwrite)
+            commit(self.vault, request.step, manifest, request.overwrite, delta.guard)
             if self._keyframe_cache is not None:
                 self._keyframe_cache.commit(request.step)
         except BaseException as exc:  # noqa: BLE001 - handed to the caller, not swallowed
