@@ -6,7 +6,7 @@ Real local vaults and real gc-like deletions; the store only records touches and
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -58,19 +58,28 @@ def chunk_ids(mgr: CheckpointManager, step: int) -> set[str]:
     return {c["id"] for c in mgr.manifest(step)["chunks"]}
 
 
-def test_incremental_saves_touch_nothing_while_the_manifests_they_read_stay(tmp_path: Path) -> None:
+Saved = tuple[dict[int, dict[str, torch.Tensor]], TouchLog, CheckpointManager]
+
+
+@pytest.fixture
+def saved(tmp_path: Path) -> Iterator[Saved]:
+    """The states, and a manager over a TouchLog vault holding steps 0 (keyframe) and 1 (deltas), saved synchronously."""
     s = states()
     store = TouchLog(tmp_path / "v")
     with CheckpointManager(store, chunk_size=CHUNK, async_save=False) as mgr:
         mgr.save(0, s[0])
-        store.touched.clear()
         mgr.save(1, s[1])
-        mgr.save(2, s[2])
-        assert store.touched == [], "reused chunks and delta bases are protected by the manifests that name them"
-        assert any(c.get("base") for c in mgr.manifest(2)["chunks"]), "step 2 holds deltas against step 0"
-        assert chunk_ids(mgr, 0) & chunk_ids(mgr, 2) and chunk_ids(mgr, 1) & chunk_ids(mgr, 2) - chunk_ids(mgr, 0)
-        for step in range(3):
-            assert_same_state(s[step], mgr.restore(step))
+        yield s, store, mgr
+
+
+def test_incremental_saves_touch_nothing_while_the_manifests_they_read_stay(saved: Saved) -> None:
+    s, store, mgr = saved
+    mgr.save(2, s[2])
+    assert store.touched == [], "reused chunks and delta bases are protected by the manifests that name them"
+    assert any(c.get("base") for c in mgr.manifest(2)["chunks"]), "step 2 holds deltas against step 0"
+    assert chunk_ids(mgr, 0) & chunk_ids(mgr, 2) and chunk_ids(mgr, 1) & chunk_ids(mgr, 2) - chunk_ids(mgr, 0)
+    for step in range(3):
+        assert_same_state(s[step], mgr.restore(step))
 
 
 def test_without_a_manifest_to_rely_on_reused_chunks_are_touched(tmp_path: Path) -> None:
@@ -99,39 +108,30 @@ def _prune_at_commit(store: TouchLog, watched: str, also: Callable[[], None] = l
     store.on_stat = hook
 
 
-def test_a_manifest_pruned_during_the_save_makes_it_touch_what_it_relied_on(tmp_path: Path) -> None:
-    s = states()
-    store = TouchLog(tmp_path / "v")
-    with CheckpointManager(store, chunk_size=CHUNK, async_save=False) as mgr:
-        mgr.save(0, s[0])
-        mgr.save(1, s[1])
-        named = chunk_ids(mgr, 0) | chunk_ids(mgr, 1)
-        store.touched.clear()
-        _prune_at_commit(store, manifest_key(1))
+def test_a_manifest_pruned_during_the_save_makes_it_touch_what_it_relied_on(saved: Saved) -> None:
+    s, store, mgr = saved
+    named = chunk_ids(mgr, 0) | chunk_ids(mgr, 1)
+    _prune_at_commit(store, manifest_key(1))
+    mgr.save(2, s[2])
+    reused = named & chunk_ids(mgr, 2)
+    bases = {c["base"] for c in mgr.manifest(2)["chunks"] if c.get("base") and c["new"]}  # encoded against
+    assert reused and bases and set(store.touched) == {chunk_key(c) for c in reused | bases}
+    assert mgr.steps() == [0, 2]
+    assert_same_state(s[2], mgr.restore(2))
+
+
+def test_a_relied_on_chunk_collected_before_commit_fails_the_save_cleanly(saved: Saved) -> None:
+    s, store, mgr = saved
+    only_in_1 = chunk_ids(mgr, 1) - chunk_ids(mgr, 0)  # step 2 reuses those of "tuned"
+
+    def gc() -> None:
+        for cid in only_in_1:
+            (store.root / chunk_key(cid)).unlink()
+
+    _prune_at_commit(store, manifest_key(1), also=gc)  # prune step 1, then gc takes its chunks
+    with pytest.raises(SaveError, match="removed by a concurrent gc before it committed.*nothing was committed"):
         mgr.save(2, s[2])
-        reused = named & chunk_ids(mgr, 2)
-        bases = {c["base"] for c in mgr.manifest(2)["chunks"] if c.get("base") and c["new"]}  # encoded against
-        assert reused and bases and set(store.touched) == {chunk_key(c) for c in reused | bases}
-        assert mgr.steps() == [0, 2]
-        assert_same_state(s[2], mgr.restore(2))
-
-
-def test_a_relied_on_chunk_collected_before_commit_fails_the_save_cleanly(tmp_path: Path) -> None:
-    s = states()
-    store = TouchLog(tmp_path / "v")
-    with CheckpointManager(store, chunk_size=CHUNK, async_save=False) as mgr:
-        mgr.save(0, s[0])
-        mgr.save(1, s[1])
-        only_in_1 = chunk_ids(mgr, 1) - chunk_ids(mgr, 0)  # step 2 reuses those of "tuned"
-
-        def gc() -> None:
-            for cid in only_in_1:
-                (store.root / chunk_key(cid)).unlink()
-
-        _prune_at_commit(store, manifest_key(1), also=gc)  # prune step 1, then gc takes its chunks
-        with pytest.raises(SaveError, match="removed by a concurrent gc before it committed.*nothing was committed"):
-            mgr.save(2, s[2])
-        assert mgr.steps() == [0]
-        store.on_stat = None
-        mgr.save(2, s[2])  # the retry writes the chunk again
-        assert_same_state(s[2], mgr.restore(2))
+    assert mgr.steps() == [0]
+    store.on_stat = None
+    mgr.save(2, s[2])  # the retry writes the chunks again
+    assert_same_state(s[2], mgr.restore(2))
