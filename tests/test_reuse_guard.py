@@ -135,3 +135,19 @@ def test_a_relied_on_chunk_collected_before_commit_fails_the_save_cleanly(saved:
     store.on_stat = None
     mgr.save(2, s[2])  # the retry writes the chunks again
     assert_same_state(s[2], mgr.restore(2))
+
+
+@pytest.mark.parametrize("cached", [False, True])
+def test_a_keyframe_chunk_missing_from_a_damaged_vault_is_stored_in_full(tmp_path: Path, cached: bool) -> None:
+    """No touch checks a base any more: the save must still notice a base the store lost (read, or stat when cached)."""
+    s = states()
+    with CheckpointManager(tmp_path / "v", chunk_size=CHUNK, async_save=False, cache_keyframe=cached) as mgr:
+        mgr.save(0, s[0])
+        manifest = mgr.manifest(0)
+        w = next(t for t in manifest["tensors"] if t["path"] == "w")
+        lost = manifest["chunks"][w["pieces"][0][0]]["id"]  # a chunk step 1 encodes a delta against
+        (tmp_path / "v" / chunk_key(lost)).unlink()
+        mgr.save(1, s[1])
+        assert all(c.get("base") != lost for c in mgr.manifest(1)["chunks"]), "stored in full, not against it"
+        assert any(c.get("base") for c in mgr.manifest(1)["chunks"]), "the other chunks are still deltas"
+        assert_same_state(s[1], mgr.restore(1))

@@ -180,9 +180,13 @@ class _ChunkWriter:
         return _full(planes, raw, planes.encode_parts(raw))
 
     def _base_planes(self, base_id: str, typesize: int) -> list[np.ndarray]:
-        """The byte planes of keyframe chunk ``base_id``: from the keyframe cache, else read and verified."""
+        """The byte planes of keyframe chunk ``base_id``: from the keyframe cache, else read and verified.
+        ObjectNotFoundError if the store lacks the chunk (cached or not: a delta needs it there)."""
         cached = None if self.cache is None else self.cache.planes(self.keyframe_step, base_id, typesize)
-        return cached if cached is not None else base_planes_for_save(self.vault.store, base_id, typesize)
+        if cached is None:
+            return base_planes_for_save(self.vault.store, base_id, typesize)
+        self.vault.store.stat(chunk_key(base_id))  # no touch checked that it is there (guard.py)
+        return cached
 
     def _existing_base(self, cid: str) -> str | None:
         if cid in self.known_bases:
