@@ -42,13 +42,14 @@ class ManifestGuard:
         self.skipped: set[str] = set()
         self._lock = threading.Lock()
 
-    def skips_touch(self, cid: str) -> bool:
-        """True if chunk ``cid`` needs no touch now (a watched manifest names it); remembered for :meth:`ensure`."""
+    def protect(self, store: Store, cid: str) -> None:
+        """Protect chunk ``cid`` from gc until the commit: ``touch`` it, unless a watched manifest names it
+        (then remember it for :meth:`ensure`). ObjectNotFoundError if a touched chunk is gone."""
         if cid not in self.chunk_ids:
-            return False
+            store.touch(chunk_key(cid))
+            return
         with self._lock:
             self.skipped.add(cid)
-        return True
 
     def unchanged(self, store: Store) -> bool:
         """True if every watched manifest is still in place with the size and mtime it had."""

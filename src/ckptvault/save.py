@@ -138,8 +138,7 @@ class _ChunkWriter:
         store, key = self.vault.store, chunk_key(cid)
         try:
             size = store.stat(key).size
-            if not self.guard.skips_touch(cid):
-                store.touch(key)  # protects the reused chunk from gc until this save commits
+            self.guard.protect(store, cid)  # the reused chunk must outlive this save
             return False, size, self._existing_base(cid)
         except ObjectNotFoundError:
             pass  # absent, or collected between stat() and touch(): write it
@@ -162,8 +161,7 @@ class _ChunkWriter:
         assert isinstance(planes, BytePlanes) and len(stages) == 1
         if base is not None:
             try:
-                if not self.guard.skips_touch(base.id):
-                    self.vault.store.touch(chunk_key(base.id))  # a base must outlive this save, like a reused chunk
+                self.guard.protect(self.vault.store, base.id)  # a base must outlive this save, like a reused chunk
                 base_planes = self._base_planes(base.id, planes.typesize)
             except (ObjectNotFoundError, CorruptChunkError) as exc:
                 log.warning("cannot use delta base %s (%s); storing the chunk in full", base.id, exc)
