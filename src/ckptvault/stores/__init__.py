@@ -26,7 +26,7 @@ def open_store(url: str | os.PathLike[str] | Store, storage_options: dict[str, A
     text = os.fspath(url)
     scheme, sep, rest = text.partition("://")
     if not sep:
-        return LocalStore(text)
+        return LocalStore.from_options(text, storage_options)
     if scheme == "s3":
         from .s3 import S3Store
 
@@ -35,10 +35,10 @@ def open_store(url: str | os.PathLike[str] | Store, storage_options: dict[str, A
         from .fsspec_store import FsspecStore
 
         return FsspecStore.from_url(text, storage_options)
+    if scheme == "file":
+        return LocalStore.from_options(rest, storage_options)
     if storage_options:
         raise InvalidArgumentError(f"storage_options are not used by {scheme}:// stores; remove them")
-    if scheme == "file":
-        return LocalStore(rest)
     if scheme == "memory":
         return MemoryStore(rest)
     raise InvalidArgumentError(

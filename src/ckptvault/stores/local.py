@@ -21,12 +21,22 @@ makes two file-system syncs instead of two per chunk (measured here: 160
 chunks written in 0.43 s every time, against 0.52-2.17 s with a sync each).
 ``syncfs`` reports write-back errors since Linux 5.8; elsewhere (and on older
 kernels) chunks are synced one by one.
+
+On ext4 and XFS a batch writes each chunk with direct I/O (``O_DIRECT``): its
+whole 4 KiB blocks go from a page-aligned buffer of the writing thread straight
+to the device, and only the last partial block goes through the page cache. A
+save then neither copies its bytes into the page cache nor evicts the training
+job's cached files with them (``direct_io``: "auto", the default; True to
+require it; False for buffered writes). Reads stay buffered.
 """
 
 from __future__ import annotations
 
 import ctypes
 import errno
+import fcntl
+import logging
+import mmap
 import os
 import platform
 import sys
@@ -35,19 +45,57 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
-from ..errors import ObjectNotFoundError, PermanentStorageError, StorageError, StorageFullError
+from ..errors import InvalidArgumentError, ObjectNotFoundError, PermanentStorageError, StorageError, StorageFullError
 from .base import ObjectInfo, Store, WriteBatch
 
+log = logging.getLogger(__name__)
+
 TMP_DIR = "tmp"
+#: file systems where ``direct_io="auto"`` writes chunks with O_DIRECT (statfs magic numbers)
+DIRECT_IO_FILE_SYSTEMS = {0xEF53: "ext4", 0x58465342: "xfs"}
+#: O_DIRECT writes whole blocks of this size from a buffer aligned to it (covers 512 B and 4 KiB devices)
+DIRECT_ALIGN = 4096
+#: the most bytes one O_DIRECT write copies into the thread's aligned buffer
+DIRECT_PIECE = 8 << 20
 
 
 class LocalStore(Store):
     """Objects are files under ``root``; keys map to relative paths."""
 
-    def __init__(self, root: str | os.PathLike[str]) -> None:
+    def __init__(self, root: str | os.PathLike[str], direct_io: bool | str = "auto") -> None:
+        """``direct_io``: how write batches (a save's chunks) write: "auto" with O_DIRECT on ext4 and XFS,
+        True with O_DIRECT on any file system that accepts it (one that refuses fails the save), False
+        through the page cache."""
+        if direct_io not in (True, False, "auto"):
+            raise InvalidArgumentError(f"direct_io must be true, false or 'auto', got {direct_io!r}")
+        if direct_io is True and not hasattr(os, "O_DIRECT"):
+            raise InvalidArgumentError(f"direct_io=True needs O_DIRECT, which {sys.platform} does not have; "
+                                       "use direct_io='auto' or False")
         self.root = Path(root).expanduser().absolute()
         self.url = str(self.root)
+        self.direct_io = direct_io
+        self._direct: bool | None = None  # decided at the first batch write, once the root exists
         self._made_dirs: set[Path] = set()
+
+    @classmethod
+    def from_options(cls, root: str, options: dict | None) -> LocalStore:
+        """A store for ``root`` with ``storage_options`` (only ``direct_io``); unknown keys are an error."""
+        options = dict(options or {})
+        unknown = sorted(set(options) - {"direct_io"})
+        if unknown:
+            raise InvalidArgumentError(f"unknown storage_options for local vaults: {unknown}; known: ['direct_io']")
+        return cls(root, **options)
+
+    def writes_direct(self) -> bool:
+        """Whether write batches use O_DIRECT here (decides on first call; the root must exist)."""
+        if self._direct is None:
+            if self.direct_io is False or not hasattr(os, "O_DIRECT"):
+                self._direct = False
+            elif self.direct_io is True:
+                self._direct = True
+            else:
+                self._direct = _file_system_type(self.root) in DIRECT_IO_FILE_SYSTEMS
+        return self._direct
 
     # -- paths -----------------------------------------------------------
     def _path(self, key: str) -> Path:
@@ -62,18 +110,38 @@ class LocalStore(Store):
             path.mkdir(parents=True, exist_ok=True)
         self._made_dirs.add(path)
 
-    def _write_temp(self, data: bytes | memoryview, final: Path, sync: bool = True) -> Path:
+    def write_unsynced(self, data: bytes | memoryview, final: Path) -> Path:
+        """A new temp file for ``final`` holding ``data``, written back but not synced (a write batch's
+        chunk), with O_DIRECT where :meth:`writes_direct` says. Under "auto", a file system that refuses
+        O_DIRECT gets buffered writes from then on; under True it fails with PermanentStorageError."""
+        if self.writes_direct():
+            try:
+                return self._write_temp(data, final, sync=False, direct=True)
+            except _DirectIORefused as exc:
+                if self.direct_io is True:
+                    raise PermanentStorageError(
+                        f"the file system of {self.url} refused a direct (O_DIRECT) write ({exc}); open the vault "
+                        "with storage_options={'direct_io': 'auto'} or {'direct_io': False}") from None
+                log.warning("%s refused a direct (O_DIRECT) write (%s); writing chunks through the page cache",
+                            self.url, exc)
+                self._direct = False
+        return self._write_temp(data, final, sync=False)
+
+    def _write_temp(self, data: bytes | memoryview, final: Path, sync: bool = True, direct: bool = False) -> Path:
         """Write ``data`` to a new temp file for ``final`` (named in errors, e.g. when space runs out), fsynced;
         with ``sync`` False, its write-back is only started (where the OS allows), so that a later
-        ``syncfs`` finds most of it already on disk."""
+        ``syncfs`` finds most of it already on disk. ``direct``: write its whole blocks with O_DIRECT."""
         tmp_dir = self.root / TMP_DIR
         self._ensure_dir(tmp_dir)
         tmp = tmp_dir / f"{uuid.uuid4().hex}.part"
+        view = memoryview(data).cast("B")
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
         try:
             with _classified(str(final)):
-                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+                fd = _open_direct(tmp, flags) if direct else os.open(tmp, flags, 0o644)
                 try:
-                    view = memoryview(data).cast("B")
+                    if direct:
+                        view = _write_blocks_direct(fd, view)
                     while view:
                         written = os.write(fd, view)
                         view = view[written:]
@@ -232,7 +300,7 @@ class LocalWriteBatch(WriteBatch):
         final = self.local._path(key)
         if final.exists():
             return False
-        tmp = self.local._write_temp(data, final, sync=False)
+        tmp = self.local.write_unsynced(data, final)
         with self._lock:
             self._pending.append((tmp, final))
         return True
@@ -295,6 +363,66 @@ _syncfs = _linux_call("syncfs", [ctypes.c_int], (5, 8))
 _start_writeback = _linux_call("sync_file_range", [ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_uint],
                                (5, 8))
 _SYNC_FILE_RANGE_WRITE = 2  # start write-back of the dirty pages, without waiting
+#: statfs(path, buf), to tell the file system type for direct_io="auto"
+_statfs = _linux_call("statfs", [ctypes.c_char_p, ctypes.c_char_p], (2, 6))
+
+
+_aligned = threading.local()
+
+
+def _aligned_buffer(nbytes: int) -> memoryview:
+    """This thread's page-aligned buffer (anonymous mmap, reused), at least ``nbytes`` long."""
+    buffer = getattr(_aligned, "buffer", None)
+    if buffer is None or len(buffer) < nbytes:
+        buffer = _aligned.buffer = mmap.mmap(-1, max(nbytes, DIRECT_ALIGN))
+    return memoryview(buffer)
+
+
+class _DirectIORefused(Exception):
+    """The file system refused O_DIRECT (EINVAL on open or write)."""
+
+
+def _open_direct(path: Path, flags: int) -> int:
+    try:
+        return os.open(path, flags | os.O_DIRECT, 0o644)
+    except OSError as exc:
+        if exc.errno == errno.EINVAL:
+            _unlink_quietly(path)
+            raise _DirectIORefused(f"open: {exc.strerror}") from None
+        raise
+
+
+def _write_blocks_direct(fd: int, view: memoryview) -> memoryview:
+    """Write the whole ``DIRECT_ALIGN`` blocks of ``view`` to ``fd`` (opened with O_DIRECT, at offset 0)
+    through this thread's aligned buffer, then clear O_DIRECT on ``fd``. Returns the bytes left to write
+    through the page cache. Raises _DirectIORefused on EINVAL."""
+    whole = len(view) - len(view) % DIRECT_ALIGN
+    buffer = _aligned_buffer(min(whole, DIRECT_PIECE)) if whole else None
+    done = 0
+    try:
+        while done < whole and buffer is not None:
+            n = min(DIRECT_PIECE, whole - done)
+            buffer[:n] = view[done : done + n]
+            written = os.write(fd, buffer[:n])
+            done += written
+            if written != n:  # a short write leaves an unaligned remainder: finish through the page cache
+                break
+    except OSError as exc:
+        if exc.errno == errno.EINVAL:
+            raise _DirectIORefused(f"write: {exc.strerror}") from None
+        raise
+    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_DIRECT)
+    return view[done:]
+
+
+def _file_system_type(path: Path) -> int | None:
+    """The statfs(2) magic number of the file system holding ``path``, or None where it cannot be read."""
+    if _statfs is None:
+        return None
+    buffer = ctypes.create_string_buffer(512)  # struct statfs is 120 bytes on 64-bit Linux; f_type comes first
+    if _statfs(os.fsencode(path), buffer) != 0:
+        return None
+    return ctypes.c_long.from_buffer(buffer).value & 0xFFFFFFFF
 
 
 def _fsync_dir(path: Path) -> None:
