@@ -21,10 +21,26 @@ from __future__ import annotations
 import struct
 import threading
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from .base import BytesStage, Spec, stage_from_spec
+
+_kernels: Any = None  # the plane_kernels module once imported, False where numba is missing
+
+
+def _plane_kernels() -> Any:
+    """``plane_kernels``, imported on first use (numba adds 0.3 s to an import), or None without numba:
+    the numpy loops below do the same, several times slower."""
+    global _kernels
+    if _kernels is None:
+        try:
+            from . import plane_kernels as kernels
+        except ImportError:
+            kernels = False
+        _kernels = kernels
+    return _kernels or None
 
 _COMPRESSED = 1 << 31
 XOR_BASE = 1 << 30
@@ -72,8 +88,12 @@ def split_planes(data: bytes | memoryview, typesize: int, out: np.ndarray | None
     if wide is None:
         planes[...] = arr[:whole].reshape(-1, typesize).T
         return planes, arr[whole:]
-    words = arr[:whole].view(wide)  # plane k is byte k of each little-endian word: shift, then truncate
-    planes[0] = words
+    words = arr[:whole].view(wide)  # plane k is byte k of each little-endian word
+    kernels = _plane_kernels()
+    if kernels is not None:
+        kernels.split(words, planes)
+        return planes, arr[whole:]
+    planes[0] = words  # numpy: shift, then truncate
     shifted = scratch(words.nbytes, "split").view(wide)
     for k in range(1, typesize):
         np.right_shift(words, 8 * k, out=shifted)
@@ -221,8 +241,9 @@ def scratch(nbytes: int, name: str = "interleave") -> np.ndarray:
 def _interleave(planes: list[np.ndarray], out: np.ndarray) -> None:
     """Write element i's byte k from ``planes[k][i]`` into ``out`` (the inverse shuffle).
 
-    For 2-, 4- and 8-byte elements this assembles whole little-endian words
-    with shifts, which numpy runs several times faster than a strided copy.
+    For 2-, 4- and 8-byte elements this assembles whole little-endian words:
+    in one pass with ``plane_kernels``, else with numpy shifts, which numpy
+    runs several times faster than a strided copy.
     """
     count = len(planes)
     if count == 1:
@@ -233,6 +254,10 @@ def _interleave(planes: list[np.ndarray], out: np.ndarray) -> None:
         out.reshape(-1, count)[...] = np.stack(planes, axis=1)
         return
     words = out.view(wide)
+    kernels = _plane_kernels()
+    if kernels is not None:
+        kernels.join(planes, words)
+        return
     shifted = scratch(words.nbytes).view(wide)
     words[...] = planes[count - 1]
     for k in range(count - 2, -1, -1):
