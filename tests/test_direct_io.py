@@ -93,7 +93,7 @@ def test_auto_writes_chunks_around_the_page_cache(block_fs_dir: Path) -> None:
         (store.root / "chunks").mkdir(parents=True)
         write_batch(store, blobs)
         for key, data in blobs.items():
-            assert store.get(key) == data  # read back (into the page cache) only after counting, below
+            assert store.get(key) == data
     assert direct.writes_direct() and not buffered.writes_direct()
 
 
@@ -176,3 +176,28 @@ def test_storage_options_of_local_vaults(tmp_path: Path) -> None:
         open_store(str(tmp_path / "d"), {"endpoint_url": "http://x"})
     with pytest.raises(InvalidArgumentError, match="direct_io must be true, false or 'auto', got 'yes'"):
         CheckpointManager(tmp_path / "e", storage_options={"direct_io": "yes"})
+
+
+@pytest.mark.parametrize("direct_io", [True, False])
+def test_parts_across_the_aligned_buffer(block_fs_dir: Path, direct_io: bool) -> None:
+    """Objects handed over in parts (a chunk's header and planes) whose boundaries fall anywhere against the
+    4 KiB blocks and the aligned buffer's capacity (``DIRECT_PIECE``)."""
+    rng = np.random.default_rng(11)
+    piece = lambda n: rng.integers(0, 256, n, dtype=np.uint8).tobytes()  # noqa: E731
+    objects = {
+        "chunks/a": [piece(40), piece(DIRECT_PIECE - 40), piece(DIRECT_ALIGN)],  # exactly one buffer, then a block
+        "chunks/b": [piece(DIRECT_PIECE + 1)],  # one byte past a buffer
+        "chunks/c": [b"", piece(3), memoryview(piece(2 * DIRECT_PIECE + 9))[5:], b"", piece(DIRECT_ALIGN - 1)],
+        "chunks/d": [piece(DIRECT_ALIGN - 1), piece(1)],  # two parts making exactly one block
+    }
+    store = LocalStore(block_fs_dir / "v", direct_io=direct_io)
+    store.root.mkdir()
+    batch = store.write_batch()
+    for key, parts in objects.items():
+        assert batch.put_parts_if_absent(key, parts)
+    batch.finish()
+    for key, parts in objects.items():
+        data = b"".join(bytes(p) for p in parts)
+        if direct_io:  # counted before reading it back, which caches it
+            assert cached_pages(store.root / key) <= (1 if len(data) % DIRECT_ALIGN else 0), key
+        assert store.get(key) == data, key

@@ -31,11 +31,12 @@ def is_plane_delta(header: ChunkHeader) -> bool:
 
 
 def base_planes_for_save(store: Store, base_id: str, typesize: int) -> list[np.ndarray]:
-    """Every byte plane of full chunk ``base_id``, checked against its hash.
+    """Every byte plane of full chunk ``base_id``, checked against its hash. The planes may view this
+    thread's read buffer (``Store.get_transient``): use them before this thread reads a base again.
 
     Raises ObjectNotFoundError if it is gone, CorruptChunkError if it is damaged or is itself a delta.
     """
-    header, payload = parse_object(base_id, store.get(chunk_key(base_id)))
+    header, payload = parse_object(base_id, store.get_transient(chunk_key(base_id)))
     if header.base is not None:
         raise CorruptChunkError(base_id, "it is itself a delta, so it cannot be a delta base")
     stage = _planes_stage(header)

@@ -32,7 +32,7 @@ from .delta import BaseRef, DeltaContext, find_bases
 from .delta_io import base_planes_for_save
 from .errors import CorruptChunkError, InvalidArgumentError, ObjectNotFoundError, SaveError, StepExistsError
 from .format import FORMAT_VERSION
-from .format.chunk_object import ChunkHeader, chunk_id, chunk_key, encode_object
+from .format.chunk_object import ChunkHeader, chunk_id, chunk_key, object_parts
 from .format.manifest import MANIFEST_FORMAT, encode_manifest, manifest_key
 from .guard import ManifestGuard
 from .layout import ChunkPlan, LeafSpec, Piece, plan_chunks
@@ -143,16 +143,16 @@ class _ChunkWriter:
         except ObjectNotFoundError:
             pass  # absent, or collected between stat() and touch(): write it
         header, payload = self._encode(cid, raw, plan, base)
-        data = encode_object(header, payload)
-        if self.batch.put_if_absent(key, data):
-            return True, len(data), header.base
+        parts = object_parts(header, payload)
+        if self.batch.put_parts_if_absent(key, parts):  # the batch copies the parts (of scratch memory) out
+            return True, sum(memoryview(p).nbytes for p in parts), header.base
         return False, store.stat(key).size, self._existing_base(cid)
 
     def _encode(self, cid: str, raw: memoryview, plan: ChunkPlan, base: BaseRef | None) -> tuple[ChunkHeader, Payload]:
         """Encode in full, or against ``base`` plane by plane where XOR with the base's plane compresses better.
 
-        The payload may be a list of buffers (viewing this thread's scratch memory) that :func:`encode_object`
-        joins: one copy of the encoded bytes instead of two.
+        The payload may be a list of buffers (viewing this thread's scratch memory) that the write batch
+        copies out: one copy of the encoded bytes instead of two.
         """
         stages = chain_for(plan.codec, plan.itemsize)
         if not stages:

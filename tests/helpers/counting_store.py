@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
+from typing import Any
 
 from ckptvault.errors import PermanentStorageError
 from ckptvault.stores.base import WriteBatch
@@ -12,7 +13,7 @@ from ckptvault.stores.local import LocalStore
 
 
 class CountingStore(LocalStore):
-    """A LocalStore that counts the bytes ``get``/``get_range`` return per key (``read``), and fails
+    """A LocalStore that counts the bytes ``get``/``get_range``/``get_transient`` return per key (``read``), and fails
     ``put_if_absent`` of chunk objects while ``fail_chunk_writes`` is set."""
 
     def __init__(self, root: Path) -> None:
@@ -21,7 +22,7 @@ class CountingStore(LocalStore):
         self.fail_chunk_writes = False
         self._lock = threading.Lock()
 
-    def _count(self, key: str, data: bytes) -> bytes:
+    def _count(self, key: str, data: Any) -> Any:
         with self._lock:
             self.read[key] = self.read.get(key, 0) + len(data)
         return data
@@ -31,6 +32,9 @@ class CountingStore(LocalStore):
 
     def get_range(self, key: str, start: int, length: int) -> bytes:
         return self._count(key, super().get_range(key, start, length))
+
+    def get_transient(self, key: str) -> memoryview:
+        return self._count(key, super().get_transient(key))
 
     def put_if_absent(self, key: str, data: bytes | memoryview) -> bool:
         if self.fail_chunk_writes and key.startswith("chunks/"):

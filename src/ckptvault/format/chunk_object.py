@@ -59,12 +59,17 @@ class ChunkHeader:
 def encode_object(header: ChunkHeader, payload: bytes | memoryview | list[Any]) -> bytes:
     """Serialise a chunk object (header + payload) into one bytes object. ``payload`` may be a list of
     buffers to concatenate (so a payload in parts is copied once, here)."""
+    return b"".join(object_parts(header, payload))
+
+
+def object_parts(header: ChunkHeader, payload: bytes | memoryview | list[Any]) -> list[Any]:
+    """The chunk object of :func:`encode_object` as the list of buffers it concatenates (for a writer that
+    copies them to their destination itself: ``WriteBatch.put_parts_if_absent``)."""
     head = header.to_bytes()
-    parts = payload if isinstance(payload, list) else [payload]
-    return b"".join((_PREFIX.pack(MAGIC, FORMAT_VERSION, 0, len(head)), head, *parts))
+    return [_PREFIX.pack(MAGIC, FORMAT_VERSION, 0, len(head)) + head, *(payload if isinstance(payload, list) else [payload])]
 
 
-def parse_object(cid: str, data: bytes) -> tuple[ChunkHeader, memoryview]:
+def parse_object(cid: str, data: bytes | memoryview) -> tuple[ChunkHeader, memoryview]:
     """Split a chunk object into header and payload; raises CorruptChunkError or FormatVersionError."""
     if len(data) < _PREFIX.size:
         raise CorruptChunkError(cid, f"object is {len(data)} bytes, shorter than its fixed header")
@@ -77,7 +82,7 @@ def parse_object(cid: str, data: bytes) -> tuple[ChunkHeader, memoryview]:
         )
     end = _PREFIX.size + head_len
     try:
-        body = json.loads(data[_PREFIX.size : end])
+        body = json.loads(bytes(data[_PREFIX.size : end]))  # data may be a memoryview
         header = ChunkHeader(codec=list(body.pop("codec")), raw=int(body.pop("raw")), base=body.pop("base"), extra=body)
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise CorruptChunkError(cid, f"unreadable chunk header ({exc})") from None

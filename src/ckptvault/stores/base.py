@@ -28,6 +28,7 @@ from __future__ import annotations
 import abc
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,11 @@ class Store(abc.ABC):
     def get_range(self, key: str, start: int, length: int) -> bytes:
         """Return ``length`` bytes from ``start`` (fewer at the end of the object)."""
         return self.get(key)[start : start + length]
+
+    def get_transient(self, key: str) -> bytes | memoryview:
+        """:meth:`get`, possibly into a buffer that this thread's next call reuses: for a reader done with the
+        bytes (and views of them) before it reads again. The local store reads into one buffer per thread."""
+        return self.get(key)
 
     @abc.abstractmethod
     def put(self, key: str, data: bytes | memoryview) -> None:
@@ -112,6 +118,11 @@ class WriteBatch:
         """Create the object unless it exists. True if it did not exist when this call looked (two batches
         racing for one key may both say True; the object is created once, with the same bytes)."""
         return self.store.put_if_absent(key, data)
+
+    def put_parts_if_absent(self, key: str, parts: list[Any]) -> bool:
+        """:meth:`put_if_absent` of the concatenation of ``parts`` (buffers); a batch that can write them
+        without joining them first (the local store's) saves a copy of the object."""
+        return self.put_if_absent(key, b"".join(parts))
 
     def finish(self) -> None:  # noqa: B027 - the write-through batch has nothing left to do
         """Make every object put durable and visible."""

@@ -217,6 +217,25 @@ class StoreConformance:
         assert [bytes(store.get(k)) for k in ("batch/new/1", "batch/new/2", "batch/old")] == [b"one", b"", b"old"]
         assert _keys(store.list("batch/")) == {"batch/old", "batch/new/1", "batch/new/2"}
 
+    def test_write_batch_objects_from_parts(self, store: Store) -> None:
+        parts = [b"head", memoryview(bytes(range(256)) * 40)[7:], b"", bytearray(b"x" * 4093)]
+        store.put("parts/old", b"old")
+        batch = store.write_batch()
+        assert batch.put_parts_if_absent("parts/new", parts) is True
+        assert batch.put_parts_if_absent("parts/empty", []) is True
+        assert batch.put_parts_if_absent("parts/old", [b"other"]) is False
+        batch.finish()
+        assert bytes(store.get("parts/new")) == b"".join(bytes(p) for p in parts)
+        assert bytes(store.get("parts/empty")) == b"" and bytes(store.get("parts/old")) == b"old"
+
+    def test_get_transient_reads_the_whole_object(self, store: Store) -> None:
+        store.put("transient/a", b"a" * 5000)
+        store.put("transient/b", b"bb")
+        assert bytes(store.get_transient("transient/a")) == b"a" * 5000
+        assert bytes(store.get_transient("transient/b")) == b"bb"  # a shorter object after a longer one
+        with pytest.raises(ObjectNotFoundError):
+            store.get_transient("transient/missing")
+
 
 def _keys(infos: Any) -> set[str]:
     return {info.key for info in infos}

@@ -44,6 +44,7 @@ import threading
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from ..errors import InvalidArgumentError, ObjectNotFoundError, PermanentStorageError, StorageError, StorageFullError
 from .base import ObjectInfo, Store, WriteBatch
@@ -110,13 +111,14 @@ class LocalStore(Store):
             path.mkdir(parents=True, exist_ok=True)
         self._made_dirs.add(path)
 
-    def write_unsynced(self, data: bytes | memoryview, final: Path) -> Path:
-        """A new temp file for ``final`` holding ``data``, written back but not synced (a write batch's
-        chunk), with O_DIRECT where :meth:`writes_direct` says. Under "auto", a file system that refuses
-        O_DIRECT gets buffered writes from then on; under True it fails with PermanentStorageError."""
+    def write_unsynced(self, parts: list[Any], final: Path) -> Path:
+        """A new temp file for ``final`` holding the concatenated ``parts`` (buffers), written back but not
+        synced (a write batch's chunk), with O_DIRECT where :meth:`writes_direct` says. Under "auto", a file
+        system that refuses O_DIRECT gets buffered writes from then on; under True it fails with
+        PermanentStorageError."""
         if self.writes_direct():
             try:
-                return self._write_temp(data, final, sync=False, direct=True)
+                return self._write_temp(parts, final, sync=False, direct=True)
             except _DirectIORefused as exc:
                 if self.direct_io is True:
                     raise PermanentStorageError(
@@ -125,26 +127,29 @@ class LocalStore(Store):
                 log.warning("%s refused a direct (O_DIRECT) write (%s); writing chunks through the page cache",
                             self.url, exc)
                 self._direct = False
-        return self._write_temp(data, final, sync=False)
+        return self._write_temp(parts, final, sync=False)
 
-    def _write_temp(self, data: bytes | memoryview, final: Path, sync: bool = True, direct: bool = False) -> Path:
-        """Write ``data`` to a new temp file for ``final`` (named in errors, e.g. when space runs out), fsynced;
-        with ``sync`` False, its write-back is only started (where the OS allows), so that a later
-        ``syncfs`` finds most of it already on disk. ``direct``: write its whole blocks with O_DIRECT."""
+    def _write_temp(self, data: bytes | memoryview | list[Any], final: Path, sync: bool = True,
+                    direct: bool = False) -> Path:
+        """Write ``data`` (or the concatenation of a list of buffers) to a new temp file for ``final`` (named
+        in errors, e.g. when space runs out), fsynced; with ``sync`` False, its write-back is only started
+        (where the OS allows), so that a later ``syncfs`` finds most of it already on disk. ``direct``: write
+        its whole blocks with O_DIRECT."""
         tmp_dir = self.root / TMP_DIR
         self._ensure_dir(tmp_dir)
         tmp = tmp_dir / f"{uuid.uuid4().hex}.part"
-        view = memoryview(data).cast("B")
+        parts = [memoryview(p).cast("B") for p in (data if isinstance(data, list) else [data])]
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
         try:
             with _classified(str(final)):
                 fd = _open_direct(tmp, flags) if direct else os.open(tmp, flags, 0o644)
                 try:
                     if direct:
-                        view = _write_blocks_direct(fd, view)
-                    while view:
-                        written = os.write(fd, view)
-                        view = view[written:]
+                        parts = _write_blocks_direct(fd, parts)
+                    for view in parts:
+                        while view:
+                            written = os.write(fd, view)
+                            view = view[written:]
                     if sync:
                         os.fsync(fd)
                     elif _start_writeback is not None:
@@ -155,6 +160,21 @@ class LocalStore(Store):
             _unlink_quietly(tmp)
             raise
         return tmp
+
+    def get_transient(self, key: str) -> memoryview:
+        """The object's bytes in this thread's read buffer, reused by its next call: for a reader that is done
+        with them (and with views of them) before then. Spares a fresh allocation per read."""
+        path = self._path(key)
+        with _classified(key), open(path, "rb", buffering=0) as f:
+            size = os.fstat(f.fileno()).st_size
+            buffer = _read_buffer(size)
+            got = 0
+            while got < size:
+                n = f.readinto(buffer[got:size])
+                if not n:
+                    break
+                got += n
+        return buffer[:got]
 
     # -- Store interface -------------------------------------------------
     def get(self, key: str) -> bytes:
@@ -300,7 +320,16 @@ class LocalWriteBatch(WriteBatch):
         final = self.local._path(key)
         if final.exists():
             return False
-        tmp = self.local.write_unsynced(data, final)
+        tmp = self.local.write_unsynced([data], final)
+        with self._lock:
+            self._pending.append((tmp, final))
+        return True
+
+    def put_parts_if_absent(self, key: str, parts: list[Any]) -> bool:
+        final = self.local._path(key)
+        if final.exists():
+            return False
+        tmp = self.local.write_unsynced(parts, final)
         with self._lock:
             self._pending.append((tmp, final))
         return True
@@ -392,27 +421,51 @@ def _open_direct(path: Path, flags: int) -> int:
         raise
 
 
-def _write_blocks_direct(fd: int, view: memoryview) -> memoryview:
-    """Write the whole ``DIRECT_ALIGN`` blocks of ``view`` to ``fd`` (opened with O_DIRECT, at offset 0)
-    through this thread's aligned buffer, then clear O_DIRECT on ``fd``. Returns the bytes left to write
-    through the page cache. Raises _DirectIORefused on EINVAL."""
-    whole = len(view) - len(view) % DIRECT_ALIGN
-    buffer = _aligned_buffer(min(whole, DIRECT_PIECE)) if whole else None
-    done = 0
-    try:
-        while done < whole and buffer is not None:
-            n = min(DIRECT_PIECE, whole - done)
-            buffer[:n] = view[done : done + n]
-            written = os.write(fd, buffer[:n])
-            done += written
-            if written != n:  # a short write leaves an unaligned remainder: finish through the page cache
-                break
-    except OSError as exc:
-        if exc.errno == errno.EINVAL:
-            raise _DirectIORefused(f"write: {exc.strerror}") from None
-        raise
+def _write_blocks_direct(fd: int, parts: list[memoryview]) -> list[memoryview]:
+    """Write the concatenated ``parts`` to ``fd`` (opened with O_DIRECT, at offset 0) in whole
+    ``DIRECT_ALIGN`` blocks copied through this thread's aligned buffer, then clear O_DIRECT on ``fd``.
+    Returns what is left to write through the page cache: the last partial block (and, after a short
+    write, everything not yet written). Raises _DirectIORefused on EINVAL."""
+    total = sum(len(p) for p in parts)
+    capacity = min(DIRECT_PIECE, total - total % DIRECT_ALIGN)
+    left: list[memoryview] = list(parts)
+    if capacity:
+        buffer, filled = _aligned_buffer(capacity), 0
+        try:
+            while left:
+                n = min(len(left[0]), capacity - filled)
+                buffer[filled : filled + n] = left[0][:n]
+                filled += n
+                left[0] = left[0][n:]
+                if not left[0]:
+                    left.pop(0)
+                if filled == capacity:
+                    written = os.write(fd, buffer[:filled])
+                    if written != filled:  # a short write: the rest goes through the page cache
+                        left.insert(0, memoryview(bytes(buffer[written:filled])))
+                        break
+                    filled = 0
+            else:  # everything copied: write its whole blocks; the last partial one goes through the page cache
+                whole = filled - filled % DIRECT_ALIGN
+                written = os.write(fd, buffer[:whole]) if whole else 0
+                left = [memoryview(bytes(buffer[written:filled]))] if filled > written else []
+        except OSError as exc:
+            if exc.errno == errno.EINVAL:
+                raise _DirectIORefused(f"write: {exc.strerror}") from None
+            raise
     fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_DIRECT)
-    return view[done:]
+    return left
+
+
+_read = threading.local()
+
+
+def _read_buffer(nbytes: int) -> memoryview:
+    """This thread's read buffer for :meth:`LocalStore.get_transient`, at least ``nbytes`` long."""
+    buffer = getattr(_read, "buffer", None)
+    if buffer is None or len(buffer) < nbytes:
+        buffer = _read.buffer = bytearray(nbytes)
+    return memoryview(buffer)
 
 
 def _file_system_type(path: Path) -> int | None:
