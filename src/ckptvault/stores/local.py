@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import ctypes
 import errno
-import fcntl
 import logging
 import mmap
 import os
@@ -453,6 +452,8 @@ def _write_blocks_direct(fd: int, parts: list[memoryview]) -> list[memoryview]:
             if exc.errno == errno.EINVAL:
                 raise _DirectIORefused(f"write: {exc.strerror}") from None
             raise
+    import fcntl  # POSIX only, like O_DIRECT itself
+
     fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_DIRECT)
     return left
 
