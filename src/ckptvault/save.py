@@ -145,7 +145,7 @@ class _ChunkWriter:
         header, payload = self._encode(cid, raw, plan, base)
         parts = object_parts(header, payload)
         if self.batch.put_parts_if_absent(key, parts):  # the batch copies the parts (of scratch memory) out
-            return True, sum(memoryview(p).nbytes for p in parts), header.base
+            return True, _size(parts), header.base
         return False, store.stat(key).size, self._existing_base(cid)
 
     def _encode(self, cid: str, raw: memoryview, plan: ChunkPlan, base: BaseRef | None) -> tuple[ChunkHeader, Payload]:

@@ -304,7 +304,8 @@ class _classified:
 class LocalWriteBatch(WriteBatch):
     """Chunks written unsynced to temporary files, then synced with one ``syncfs`` and linked into place.
 
-    :meth:`put_if_absent` returns after writing the temporary file; the object is invisible until
+    :meth:`put_if_absent` (and :meth:`put_parts_if_absent`, which copies the parts straight to the file)
+    returns after writing the temporary file; the object is invisible until
     :meth:`finish`, which syncs the file system, links every temporary file to its final name (an existing
     object with that name wins: it holds the same bytes), removes the temporary files and syncs again.
     """
@@ -316,13 +317,7 @@ class LocalWriteBatch(WriteBatch):
         self._lock = threading.Lock()
 
     def put_if_absent(self, key: str, data: bytes | memoryview) -> bool:
-        final = self.local._path(key)
-        if final.exists():
-            return False
-        tmp = self.local.write_unsynced([data], final)
-        with self._lock:
-            self._pending.append((tmp, final))
-        return True
+        return self.put_parts_if_absent(key, [data])
 
     def put_parts_if_absent(self, key: str, parts: list[Any]) -> bool:
         final = self.local._path(key)
