@@ -1,8 +1,9 @@
 """Direct I/O for a save's chunks on the local store (``direct_io`` storage option).
 
-On ext4 and XFS a write batch writes each chunk's whole 4 KiB blocks with O_DIRECT, so a save leaves
-at most the last partial page of each chunk in the page cache. Checked on the real file system under
-``tmp_path`` with mincore(2), and on tmpfs (``/dev/shm``), where "auto" stays buffered.
+With ``direct_io="auto"`` on ext4 and XFS a write batch writes each chunk's whole 4 KiB blocks with O_DIRECT,
+so a save leaves at most the last partial page of each chunk in the page cache. Checked on the real file
+system under ``tmp_path`` with mincore(2), and on tmpfs (``/dev/shm``), where "auto" stays buffered. The
+default is buffered writes.
 """
 
 from __future__ import annotations
@@ -87,7 +88,7 @@ def tmpfs_dir(tmp_path: Path) -> Path:
 
 
 def test_auto_writes_chunks_around_the_page_cache(block_fs_dir: Path) -> None:
-    direct, buffered = LocalStore(block_fs_dir / "direct"), LocalStore(block_fs_dir / "buffered", direct_io=False)
+    direct, buffered = LocalStore(block_fs_dir / "direct", direct_io="auto"), LocalStore(block_fs_dir / "buffered")
     blobs = blobs_of(SIZES)
     for store in (direct, buffered):
         (store.root / "chunks").mkdir(parents=True)
@@ -98,7 +99,7 @@ def test_auto_writes_chunks_around_the_page_cache(block_fs_dir: Path) -> None:
 
 
 def test_direct_chunks_leave_only_their_last_partial_page_cached(block_fs_dir: Path) -> None:
-    direct, buffered = LocalStore(block_fs_dir / "direct"), LocalStore(block_fs_dir / "buffered", direct_io=False)
+    direct, buffered = LocalStore(block_fs_dir / "direct", direct_io="auto"), LocalStore(block_fs_dir / "buffered")
     blobs = blobs_of(SIZES)
     for store in (direct, buffered):
         store.root.mkdir()
@@ -112,7 +113,8 @@ def test_direct_chunks_leave_only_their_last_partial_page_cached(block_fs_dir: P
 
 def test_a_save_with_direct_io_restores_bit_exact(block_fs_dir: Path) -> None:
     state = {"w": torch.randn(1_000_003), "b": torch.arange(1000, dtype=torch.int64), "step": 3}
-    with CheckpointManager(block_fs_dir / "vault", chunk_size=1 << 20, async_save=False) as mgr:
+    with CheckpointManager(block_fs_dir / "vault", chunk_size=1 << 20, async_save=False,
+                           storage_options={"direct_io": "auto"}) as mgr:
         mgr.save(3, state)
         assert mgr.vault.store.writes_direct()
     with CheckpointManager(block_fs_dir / "vault") as mgr:
@@ -123,7 +125,7 @@ def test_a_save_with_direct_io_restores_bit_exact(block_fs_dir: Path) -> None:
 
 
 def test_auto_stays_buffered_on_tmpfs(tmpfs_dir: Path) -> None:
-    store = LocalStore(tmpfs_dir)
+    store = LocalStore(tmpfs_dir, direct_io="auto")
     blobs = blobs_of([DIRECT_ALIGN * 3 + 7])
     (store.root / "chunks").mkdir()
     write_batch(store, blobs)
@@ -150,7 +152,7 @@ def test_auto_falls_back_to_buffered_writes_when_refused(block_fs_dir: Path, mon
     refuse_direct(monkeypatch)
     state = {"w": torch.randn(300_000)}
     with caplog.at_level(logging.WARNING, logger="ckptvault.stores.local"):
-        with CheckpointManager(block_fs_dir / "v", async_save=False) as mgr:
+        with CheckpointManager(block_fs_dir / "v", async_save=False, storage_options={"direct_io": "auto"}) as mgr:
             mgr.save(1, state)
             assert not mgr.vault.store.writes_direct()
             assert torch.equal(mgr.restore(1)["w"], state["w"])
@@ -171,7 +173,7 @@ def refuse_direct(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_storage_options_of_local_vaults(tmp_path: Path) -> None:
     assert open_store(str(tmp_path / "a"), {"direct_io": False}).direct_io is False
     assert open_store(f"file://{tmp_path / 'b'}", {"direct_io": True}).direct_io is True
-    assert open_store(str(tmp_path / "c")).direct_io == "auto"
+    assert open_store(str(tmp_path / "c")).direct_io is False and not open_store(str(tmp_path / "c")).writes_direct()
     with pytest.raises(InvalidArgumentError, match=r"unknown storage_options for local vaults: \['endpoint_url'\]"):
         open_store(str(tmp_path / "d"), {"endpoint_url": "http://x"})
     with pytest.raises(InvalidArgumentError, match="direct_io must be true, false or 'auto', got 'yes'"):

@@ -22,12 +22,13 @@ chunks written in 0.43 s every time, against 0.52-2.17 s with a sync each).
 ``syncfs`` reports write-back errors since Linux 5.8; elsewhere (and on older
 kernels) chunks are synced one by one.
 
-On ext4 and XFS a batch writes each chunk with direct I/O (``O_DIRECT``): its
-whole 4 KiB blocks go from a page-aligned buffer of the writing thread straight
-to the device, and only the last partial block goes through the page cache. A
-save then neither copies its bytes into the page cache nor evicts the training
-job's cached files with them (``direct_io``: "auto", the default; True to
-require it; False for buffered writes). Reads stay buffered.
+With ``direct_io`` (off by default) a batch writes each chunk with direct I/O
+(``O_DIRECT``): its whole 4 KiB blocks go from a page-aligned buffer of the
+writing thread straight to the device, and only the last partial block goes
+through the page cache. A save then neither copies its bytes into the page
+cache nor evicts the training job's cached files with them, but each chunk
+writer waits for the device ("auto": on ext4 and XFS; True: wherever the file
+system accepts it). Reads stay buffered.
 """
 
 from __future__ import annotations
@@ -62,10 +63,10 @@ DIRECT_PIECE = 8 << 20
 class LocalStore(Store):
     """Objects are files under ``root``; keys map to relative paths."""
 
-    def __init__(self, root: str | os.PathLike[str], direct_io: bool | str = "auto") -> None:
-        """``direct_io``: how write batches (a save's chunks) write: "auto" with O_DIRECT on ext4 and XFS,
-        True with O_DIRECT on any file system that accepts it (one that refuses fails the save), False
-        through the page cache."""
+    def __init__(self, root: str | os.PathLike[str], direct_io: bool | str = False) -> None:
+        """``direct_io``: how write batches (a save's chunks) write: False (the default) through the page
+        cache, "auto" with O_DIRECT on ext4 and XFS, True with O_DIRECT on any file system that accepts it
+        (one that refuses fails the save)."""
         if direct_io not in (True, False, "auto"):
             raise InvalidArgumentError(f"direct_io must be true, false or 'auto', got {direct_io!r}")
         if direct_io is True and not hasattr(os, "O_DIRECT"):
