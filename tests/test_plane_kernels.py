@@ -52,3 +52,14 @@ def test_kernels_on_a_chunk_of_floats() -> None:
     readonly = [np.frombuffer(planes[k].tobytes(), np.uint8) for k in (0, 3)]
     mixed = [readonly[0], planes[1].copy(), planes[2], readonly[1]]
     assert assemble(mixed, b"", np.empty(len(raw), np.uint8)).tobytes() == raw
+
+
+@pytest.mark.parametrize("typesize", [2, 4, 8])
+def test_kernels_on_unaligned_memory(typesize: int) -> None:
+    """Chunks of a packed buffer can start at any byte: the kernels read and write unaligned words too."""
+    raw = np.random.default_rng(typesize).integers(0, 256, typesize * 1000 + 3, dtype=np.uint8).tobytes()
+    source = memoryview(bytearray(b"x" + raw))[1:]
+    planes, tail = split_planes(source, typesize)
+    np.testing.assert_array_equal(planes, np.frombuffer(raw, np.uint8)[: typesize * 1000].reshape(-1, typesize).T)
+    out = np.empty(len(raw) + 1, np.uint8)[1:]
+    assert assemble(list(planes), tail, out).tobytes() == raw
