@@ -167,7 +167,7 @@ class LocalStore(Store):
         path = self._path(key)
         with _classified(key), open(path, "rb", buffering=0) as f:
             size = os.fstat(f.fileno()).st_size
-            buffer = _read_buffer(size)
+            buffer = _thread_buffer("read", size)
             got = 0
             while got < size:
                 n = f.readinto(buffer[got:size])
@@ -391,14 +391,16 @@ _SYNC_FILE_RANGE_WRITE = 2  # start write-back of the dirty pages, without waiti
 _statfs = _linux_call("statfs", [ctypes.c_char_p, ctypes.c_char_p], (2, 6))
 
 
-_aligned = threading.local()
+_buffers = threading.local()
 
 
-def _aligned_buffer(nbytes: int) -> memoryview:
-    """This thread's page-aligned buffer (anonymous mmap, reused), at least ``nbytes`` long."""
-    buffer = getattr(_aligned, "buffer", None)
+def _thread_buffer(name: str, nbytes: int) -> memoryview:
+    """This thread's reusable buffer ``name``, at least ``nbytes`` long: an anonymous mmap, so page-aligned
+    as O_DIRECT needs ("direct": the aligned write buffer; "read": :meth:`LocalStore.get_transient`'s)."""
+    buffer = getattr(_buffers, name, None)
     if buffer is None or len(buffer) < nbytes:
-        buffer = _aligned.buffer = mmap.mmap(-1, max(nbytes, DIRECT_ALIGN))
+        buffer = mmap.mmap(-1, max(nbytes, DIRECT_ALIGN))
+        setattr(_buffers, name, buffer)
     return memoryview(buffer)
 
 
@@ -425,7 +427,7 @@ def _write_blocks_direct(fd: int, parts: list[memoryview]) -> list[memoryview]:
     capacity = min(DIRECT_PIECE, total - total % DIRECT_ALIGN)
     left: list[memoryview] = list(parts)
     if capacity:
-        buffer, filled = _aligned_buffer(capacity), 0
+        buffer, filled = _thread_buffer("direct", capacity), 0
         try:
             while left:
                 n = min(len(left[0]), capacity - filled)
@@ -452,17 +454,6 @@ def _write_blocks_direct(fd: int, parts: list[memoryview]) -> list[memoryview]:
 
     fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_DIRECT)
     return left
-
-
-_read = threading.local()
-
-
-def _read_buffer(nbytes: int) -> memoryview:
-    """This thread's read buffer for :meth:`LocalStore.get_transient`, at least ``nbytes`` long."""
-    buffer = getattr(_read, "buffer", None)
-    if buffer is None or len(buffer) < nbytes:
-        buffer = _read.buffer = bytearray(nbytes)
-    return memoryview(buffer)
 
 
 def _file_system_type(path: Path) -> int | None:
