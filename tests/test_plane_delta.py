@@ -71,6 +71,50 @@ def test_unrelated_data_uses_no_base_plane_and_reads_as_a_plain_planes_payload()
     assert bytes(BytePlanes(4, Zstd(1)).decode(memoryview(payload), data.nbytes)) == data.tobytes()
 
 
+def high_planes_only(base: np.ndarray) -> list[np.ndarray | None]:
+    """What the keyframe cache keeps of a float32 base: its two high planes."""
+    planes = list(split_planes(base.tobytes(), 4)[0])
+    return [None, None, planes[2], planes[3]]
+
+
+def test_without_the_low_base_planes_a_dense_change_stores_them_alone_and_fetches_nothing() -> None:
+    before, after = nearby_floats(1 << 18, seed=3, step=1e-2)  # the high mantissa plane changes almost everywhere
+    fetched = []
+    parts, uses_base = stage().encode_against(memoryview(after.tobytes()), high_planes_only(before),
+                                              lambda: fetched.append(1) or list(split_planes(before.tobytes(), 4)[0]))
+    payload = b"".join(parts)
+    entries, _ = plane_table(payload, 4)
+    assert uses_base and not fetched
+    assert entries[3].xor and not entries[1].xor and not entries[0].xor
+    high = {k: p for k, p in enumerate(high_planes_only(before)) if p is not None}
+    decoded = stage().decode_against(memoryview(payload), after.nbytes, high)
+    assert bytes(decoded) == after.tobytes()
+
+
+def test_without_the_low_base_planes_a_sparse_change_fetches_the_whole_base_and_xors_them() -> None:
+    rng = np.random.default_rng(5)
+    before = rng.standard_normal(1 << 18).astype(np.float32)
+    after = before.copy()
+    rows = rng.choice(before.size // 32, size=before.size // 32 // 50, replace=False)  # 2% of 32-value rows
+    for r in rows:
+        after[r * 32 : (r + 1) * 32] += np.float32(1e-3) * rng.standard_normal(32).astype(np.float32)
+    whole = list(split_planes(before.tobytes(), 4)[0])
+    fetched = []
+    parts, uses_base = stage().encode_against(memoryview(after.tobytes()), high_planes_only(before),
+                                              lambda: fetched.append(1) or whole)
+    payload = b"".join(parts)
+    entries, _ = plane_table(payload, 4)
+    assert fetched == [1] and uses_base
+    assert all(e.xor for e in entries)  # unchanged rows XOR to zeros in every plane
+    assert len(payload) < 0.1 * after.nbytes
+    assert bytes(stage().decode_against(memoryview(payload), after.nbytes, dict(enumerate(whole)))) == after.tobytes()
+    # without a way to fetch it, the low planes are stored on their own: bigger, still exact
+    parts, _ = stage().encode_against(memoryview(after.tobytes()), high_planes_only(before))
+    alone = b"".join(parts)
+    assert len(alone) > 3 * len(payload)
+    assert bytes(stage().decode_against(memoryview(alone), after.nbytes, dict(enumerate(whole)))) == after.tobytes()
+
+
 @given(st.binary(min_size=0, max_size=5000), st.data())
 def test_round_trip_of_any_bytes_against_any_base(data: bytes, draw: st.DataObject) -> None:
     flips = draw.draw(st.lists(st.integers(0, max(len(data) - 1, 0)), max_size=20))

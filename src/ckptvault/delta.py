@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .codecs.planes import split_planes
+from .codecs.planes import scratch, split_planes
 from .errors import InvalidArgumentError, ObjectNotFoundError, StepNotFoundError, VaultError
 from .format.manifest import manifest_key
 from .guard import ManifestGuard
@@ -71,19 +71,24 @@ class DeltaPolicy:
 
 
 class KeyframeCache:
-    """The latest keyframe's chunks as byte planes, kept in host memory so that deltas need no reads of it.
+    """The high byte planes of the latest keyframe's chunks, kept in host memory so that deltas need no reads of it.
 
     Without it, every delta save reads its keyframe's chunks back from the store (a GET per chunk on S3),
-    checks them and splits them into planes. With it, a keyframe save keeps each chunk split into its byte
-    planes (one copy of the state in host memory; the bytes past the last whole element are not needed)
-    and later delta saves against that keyframe encode against those planes. Call order, one save at a
-    time: :meth:`begin` when a keyframe save starts (frees the previous keyframe's planes first),
-    :meth:`add` per chunk, then :meth:`commit` once its manifest is committed or :meth:`abort`; only a
-    committed keyframe's planes are ever used. Thread-safe for the chunk writers of one save.
+    checks them and splits them into planes. With it, a keyframe save keeps the high planes of each chunk
+    (:func:`kept_planes`: for float32, the sign-and-exponent plane and the high mantissa plane; half the
+    state's bytes) and later delta saves against that keyframe XOR against those. The low planes are not
+    kept: between nearby float states they are noise, which a delta stores on its own anyway (W1, one step
+    and ten steps apart: 2 of 326 chunks XORed a low plane); a delta against the cache stores them on
+    their own always.
+
+    Call order, one save at a time: :meth:`begin` when a keyframe save starts (frees the previous
+    keyframe's planes first), :meth:`add` per chunk, then :meth:`commit` once its manifest is committed or
+    :meth:`abort`; :meth:`clear` frees it all. Only a committed keyframe's planes are ever used.
+    Thread-safe for the chunk writers of one save.
     """
 
     def __init__(self) -> None:
-        self._chunks: dict[str, np.ndarray] = {}  # chunk id -> typesize x n planes
+        self._chunks: dict[str, tuple[int, np.ndarray]] = {}  # chunk id -> (typesize, kept x n high planes)
         self._step: int | None = None  # the committed keyframe the planes belong to
         self._filling: int | None = None
 
@@ -96,16 +101,14 @@ class KeyframeCache:
         return self._filling is not None
 
     def add(self, cid: str, raw: memoryview, typesize: int, planes: np.ndarray | None = None) -> None:
-        """Keep chunk ``cid`` (``raw``, elements of ``typesize`` bytes) if a keyframe save is filling the cache.
-        ``planes``: its byte planes in memory nobody else writes (from :meth:`split`), else they are split here.
-        A chunk already kept is not split again."""
-        if self._filling is not None and cid not in self._chunks:
-            self._chunks[cid] = self.split(raw, typesize)[0] if planes is None else planes
-
-    @staticmethod
-    def split(raw: memoryview, typesize: int) -> tuple[np.ndarray, np.ndarray]:
-        """``split_planes(raw, typesize)`` into fresh memory (numpy, without holding the GIL)."""
-        return split_planes(raw, typesize, np.empty(len(raw) - len(raw) % typesize, dtype=np.uint8))
+        """Keep the high planes of chunk ``cid`` (``raw``, elements of ``typesize`` bytes) if a keyframe save
+        is filling the cache. ``planes``: ``split_planes(raw, typesize)[0]`` if the caller has it (they are
+        copied), else the chunk is split here. A chunk already kept is not split again."""
+        if self._filling is None or cid in self._chunks:
+            return
+        if planes is None:
+            planes = split_planes(raw, typesize, scratch(len(raw), "planes"))[0]  # this thread's; copied below
+        self._chunks[cid] = (typesize, planes[typesize - kept_planes(typesize):].copy())
 
     def commit(self, step: int) -> None:
         if self._filling == step:
@@ -115,14 +118,27 @@ class KeyframeCache:
         if self._filling is not None:
             self._chunks, self._filling = {}, None
 
-    def planes(self, keyframe_step: int | None, cid: str, typesize: int) -> list[np.ndarray] | None:
-        """The byte planes of chunk ``cid`` of committed keyframe ``keyframe_step``, if cached with ``typesize``."""
-        planes = self._chunks.get(cid) if keyframe_step is not None and keyframe_step == self._step else None
-        return None if planes is None or planes.shape[0] != typesize else list(planes)
+    def clear(self) -> None:
+        self._chunks, self._step, self._filling = {}, None, None
+
+    def planes(self, keyframe_step: int | None, cid: str, typesize: int) -> list[np.ndarray | None] | None:
+        """The byte planes of chunk ``cid`` of committed keyframe ``keyframe_step``, if cached with ``typesize``:
+        None in place of each low plane that is not kept."""
+        entry = self._chunks.get(cid) if keyframe_step is not None and keyframe_step == self._step else None
+        if entry is None or entry[0] != typesize:
+            return None
+        kept = entry[1]
+        return [None] * (typesize - len(kept)) + list(kept)
 
     @property
     def nbytes(self) -> int:
-        return sum(b.nbytes for b in self._chunks.values())
+        return sum(planes.nbytes for _typesize, planes in self._chunks.values())
+
+
+def kept_planes(typesize: int) -> int:
+    """How many of a chunk's byte planes (the highest) the keyframe cache keeps: all of 1- and 2-byte
+    elements, the upper half of wider ones."""
+    return typesize if typesize <= 2 else (typesize + 1) // 2
 
 
 @dataclass

@@ -57,10 +57,13 @@ class CheckpointManager(MaintenanceMixin):
     caps that buffer (a larger state is saved synchronously), ``on_busy``
     says what a save does while another is in flight (``"wait"`` or ``"skip"``).
 
-    ``cache_keyframe=True`` keeps a copy of the latest keyframe's chunks (as byte
-    planes) in host memory (one more copy of the state), so that delta saves encode
-    against it instead of reading the keyframe back from the store: worth it on
-    object storage, where those reads are GETs of the whole keyframe.
+    ``cache_keyframe`` keeps the high byte planes of the latest keyframe's chunks
+    in host memory (half the state's bytes for float32), so that delta saves
+    encode against them instead of reading the keyframe back from the store and
+    checking it: a third less CPU per delta save, and no GETs of the whole
+    keyframe on object storage. ``None`` (the default) keeps it for states
+    saved asynchronously (host memory then holds the staging copy, 1x the
+    state, plus this cache, 0.5x); ``True`` for every save; ``False`` never.
     """
 
     def __init__(
@@ -81,7 +84,7 @@ class CheckpointManager(MaintenanceMixin):
         max_staging_bytes: int | None = None,
         on_unsafe: str = "fallback",
         max_flushed: float = 0.05,
-        cache_keyframe: bool = False,
+        cache_keyframe: bool | None = None,
     ) -> None:
         self.vault = Vault(url, storage_options, workers)
         self.url = self.vault.url

@@ -28,6 +28,7 @@ import numpy as np
 
 from . import __version__
 from .codecs import BytePlanes, PlaneDelta, chain_for
+from .codecs.planes import scratch, split_planes
 from .delta import BaseRef, DeltaContext, find_bases
 from .delta_io import base_planes_for_save
 from .errors import CorruptChunkError, InvalidArgumentError, ObjectNotFoundError, SaveError, StepExistsError
@@ -160,26 +161,28 @@ class _ChunkWriter:
         planes = stages[0]
         assert isinstance(planes, BytePlanes) and len(stages) == 1
         if base is not None:
+            stage = PlaneDelta(planes.typesize, planes.inner)
             try:
                 self.guard.protect(self.vault.store, base.id)  # a base must outlive this save, like a reused chunk
                 base_planes = self._base_planes(base.id, planes.typesize)
+                parts, uses_base = stage.encode_against(
+                    raw, base_planes, lambda: base_planes_for_save(self.vault.store, base.id, planes.typesize))
             except (ObjectNotFoundError, CorruptChunkError) as exc:
                 log.warning("cannot use delta base %s (%s); storing the chunk in full", base.id, exc)
             else:
-                stage = PlaneDelta(planes.typesize, planes.inner)
-                parts, uses_base = stage.encode_against(raw, base_planes)
                 if uses_base and _size(parts) < len(raw):
                     return ChunkHeader(codec=[stage.spec()], raw=len(raw), base=base.id), parts
                 return _full(planes, raw, parts)  # no plane XORed: a plain planes payload
         if self.cache is not None and self.cache.filling:  # split once, for the encoding and the cache
-            split = self.cache.split(raw, planes.typesize)
+            split = split_planes(raw, planes.typesize, scratch(len(raw), "planes"))
             self.cache.add(cid, raw, planes.typesize, split[0])
             return _full(planes, raw, planes.encode_parts(raw, split))
         return _full(planes, raw, planes.encode_parts(raw))
 
-    def _base_planes(self, base_id: str, typesize: int) -> list[np.ndarray]:
-        """The byte planes of keyframe chunk ``base_id``: from the keyframe cache, else read and verified.
-        ObjectNotFoundError if the store lacks the chunk (cached or not: a delta needs it there)."""
+    def _base_planes(self, base_id: str, typesize: int) -> list[np.ndarray | None]:
+        """The byte planes of keyframe chunk ``base_id``: from the keyframe cache (its high planes, None for the
+        others), else read and verified. ObjectNotFoundError if the store lacks the chunk (cached or not: a
+        delta needs it there)."""
         cached = None if self.cache is None else self.cache.planes(self.keyframe_step, base_id, typesize)
         if cached is None:
             return base_planes_for_save(self.vault.store, base_id, typesize)

@@ -58,7 +58,7 @@ class Saver:
 
     def __init__(self, vault: Vault, delta_policy: DeltaPolicy, *, async_save: bool = True, on_busy: str = "wait",
                  max_staging_bytes: int | None = None, after_commit: Callable[[int], None] | None = None,
-                 safety: SafetyPolicy | None = None, cache_keyframe: bool = False) -> None:
+                 safety: SafetyPolicy | None = None, cache_keyframe: bool | None = None) -> None:
         if on_busy not in ON_BUSY:
             raise InvalidArgumentError(f"on_busy must be one of {ON_BUSY}, got {on_busy!r}")
         self.vault, self.delta_policy = vault, delta_policy
@@ -68,7 +68,10 @@ class Saver:
         self.safety = safety or SafetyPolicy()
         self._staging = StagingBuffer()
         self._lossy_buffers = LossyBuffers()  # with the staging buffer: asynchronous saves reuse their memory
-        self._keyframe_cache = KeyframeCache() if cache_keyframe and delta_policy.enabled else None
+        # None: keep it while saving asynchronously, where the staging buffer already holds a copy of the state
+        self.cache_keyframe = cache_keyframe
+        wanted = async_save if cache_keyframe is None else cache_keyframe
+        self._keyframe_cache = KeyframeCache() if wanted and delta_policy.enabled else None
         self._executor: ThreadPoolExecutor | None = None
         self._inflight: SaveHandle | None = None
         self._task: Future[None] | None = None
@@ -112,7 +115,10 @@ class Saver:
             delta = delta_context(self.vault, self.delta_policy, request.step)
             delta.cache = self._keyframe_cache
             if delta.cache is not None and delta.keyframe is None:
-                delta.cache.begin(request.step)
+                if snapshot.staged or self.cache_keyframe:
+                    delta.cache.begin(request.step)
+                else:  # by default not for a state too large to stage (max_staging_bytes): memory is short
+                    delta.cache.clear()
             buffers = self._lossy_buffers if snapshot.staged else None
             snapshot = apply_lossy(snapshot, self.safety, request.lossless, self.vault, delta.keyframe, buffers)
             chunks, pieces = write_chunks(self.vault, snapshot, request.progress, delta)

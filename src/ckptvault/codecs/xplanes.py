@@ -17,15 +17,20 @@ newer version.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
-from .planes import KEEP_BELOW, Buffer, BytePlanes, StoredPlane, assemble, scratch, split_planes
+from .planes import KEEP_BELOW, PIECES, SAMPLE, Buffer, BytePlanes, StoredPlane, assemble, scratch, split_planes
 
 #: a candidate whose sample compresses to under this fraction of the other's is chosen without
 #: compressing the other; closer calls compress both and keep the smaller
 CLEAR_WIN = 0.9
+#: with only the base's high planes at hand: if the lowest of them changed in fewer than this fraction of
+#: the sampled elements, most elements may be unchanged in every plane (rows a sparse optimizer did not
+#: touch), so the low planes may XOR to zeros too, and the whole base is fetched. Nearby dense float
+#: states change that plane in 24-100% of the elements (W1, one and ten steps apart).
+BARELY_CHANGED = 0.1
 
 
 class PlaneDelta(BytePlanes):
@@ -37,26 +42,34 @@ class PlaneDelta(BytePlanes):
     def decode(self, data: memoryview, out_size: int) -> memoryview:
         raise ValueError("an xplanes payload needs its base chunk's planes: read the chunk with Vault.read_chunk()")
 
-    def encode_against(self, data: memoryview, base_planes: Sequence[np.ndarray]) -> tuple[list[Buffer], bool]:
+    def encode_against(self, data: memoryview, base_planes: Sequence[np.ndarray | None],
+                       whole_base: Callable[[], Sequence[np.ndarray]] | None = None) -> tuple[list[Buffer], bool]:
         """(payload as a list of buffers to concatenate, whether any plane is XORed) for ``data`` against the
         base chunk's planes. The buffers may view this thread's scratch memory: join them before this thread
         encodes again.
 
-        With no plane XORed the payload reads as a plain ``planes`` payload and
-        the chunk needs no base.
+        A base plane may be None (not at hand: the keyframe cache keeps only high planes); that plane is
+        stored on its own, unless the chunk barely changed in the planes at hand (``BARELY_CHANGED``) and
+        ``whole_base`` is given: then it is called for all of the base's planes. With no plane XORed the
+        payload reads as a plain ``planes`` payload and the chunk needs no base.
         """
         planes, tail = split_planes(data, self.typesize, scratch(len(data), "planes"))  # joined before returning
-        if len(base_planes) != self.typesize or any(len(b) != planes.shape[1] for b in base_planes):
+        if len(base_planes) != self.typesize or any(b is not None and len(b) != planes.shape[1] for b in base_planes):
             raise ValueError("base planes do not match the chunk's element count")
+        if whole_base is not None and _barely_changed(planes, base_planes):
+            base_planes = whole_base()
         stored = [self._choose(memoryview(planes[k]), base_planes[k]) for k in range(self.typesize)]
         return self.pack_parts(stored, tail), any(p.xor for p in stored)
 
-    def _choose(self, plane: memoryview, base: np.ndarray) -> StoredPlane:
+    def _choose(self, plane: memoryview, base: np.ndarray | None) -> StoredPlane:
         """The smaller of ``plane`` stored on its own and ``plane`` XOR ``base``; an XOR must compress to win.
 
         Judged on samples: a plane whose samples both stay above ``KEEP_BELOW`` is stored raw, on its own;
         where one sample is clearly smaller only that one is compressed; otherwise both are, and compared.
+        Without ``base`` the plane is stored on its own (compressed if that pays).
         """
+        if base is None:
+            return self.store_plane(plane)
         own, delta = self.sample_ratio(plane), self.sample_ratio(plane, xor_with=base)
         if min(own, delta) >= KEEP_BELOW:
             return StoredPlane(plane)  # noise either way: the XOR is never computed in full
@@ -79,6 +92,23 @@ class PlaneDelta(BytePlanes):
                     raise ValueError(f"plane {k} is XORed with the base, but the base's plane {k} is missing")
                 planes[k] = np.bitwise_xor(planes[k], base, out=scratch(len(base), f"xor{k}"))
         return memoryview(assemble(planes, tail, np.empty(out_size, dtype=np.uint8)))
+
+
+def _barely_changed(planes: np.ndarray, base_planes: Sequence[np.ndarray | None]) -> bool:
+    """Whether some base planes are missing and the lowest one present changed in few sampled elements."""
+    present = [k for k, b in enumerate(base_planes) if b is not None]
+    if not present or len(present) == len(base_planes):
+        return False
+    k = present[0]
+    plane, base, n = planes[k], base_planes[k], planes.shape[1]
+    assert base is not None
+    if n <= 4 * SAMPLE:
+        changed = np.count_nonzero(plane != base)
+        return changed < BARELY_CHANGED * n
+    size = SAMPLE // PIECES
+    starts = [(2 * i + 1) * n // (2 * PIECES) for i in range(PIECES)]
+    changed = sum(np.count_nonzero(plane[s : s + size] != base[s : s + size]) for s in starts)
+    return changed < BARELY_CHANGED * size * PIECES
 
 
 def _xored(plane: memoryview, base: np.ndarray) -> memoryview:
