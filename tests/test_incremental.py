@@ -528,6 +528,28 @@ def test_with_a_cached_keyframe_barely_changed_chunks_read_their_base_and_store_
         assert cached_manifest["added_bytes"] <= 1.02 * plain_manifest["added_bytes"]
 
 
+def test_the_next_keyframe_reuses_the_cache_memory_and_its_deltas_use_the_new_planes(tmp_path: Path) -> None:
+    states = mlp_states(4, lr=1e-3)
+    store = CountingStore(tmp_path / "v")
+    with CheckpointManager(store, chunk_size=CHUNK, keyframe_every=2) as mgr:
+        cache = mgr._saver._keyframe_cache
+
+        def buffers() -> set[int]:
+            return {kept.ctypes.data for _typesize, kept in cache._chunks.values()}
+
+        mgr.save(0, states[0]).wait()
+        first = buffers()
+        mgr.save(1, states[1]).wait()
+        mgr.save(2, states[2]).wait()  # a keyframe: the same shapes, so the same memory
+        assert mgr.manifest(2)["keyframe_step"] == 2 and buffers() == first
+        store.read.clear()
+        mgr.save(3, states[3]).wait()  # a delta against step 2's planes, not step 0's
+        assert store.chunk_bytes_read() == 0
+        assert {c["base"] for c in delta_chunks(mgr.manifest(3))} <= {c["id"] for c in mgr.manifest(2)["chunks"]}
+        assert len(delta_chunks(mgr.manifest(3))) >= 8
+        assert_restores_exactly(mgr, states)
+
+
 def test_a_failed_keyframe_save_leaves_no_cache_and_later_deltas_read_the_store(tmp_path: Path) -> None:
     states = mlp_states(3)
     store = CountingStore(tmp_path / "v")

@@ -28,6 +28,7 @@ bytes, or when there is no usable keyframe.
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -91,9 +92,16 @@ class KeyframeCache:
         self._chunks: dict[str, tuple[int, np.ndarray]] = {}  # chunk id -> (typesize, kept x n high planes)
         self._step: int | None = None  # the committed keyframe the planes belong to
         self._filling: int | None = None
+        self._spare: dict[tuple[int, int], list[np.ndarray]] = {}  # the previous keyframe's arrays, by shape
+        self._lock = threading.Lock()
 
     def begin(self, step: int) -> None:
-        self._chunks, self._step, self._filling = {}, None, step
+        """Start filling for keyframe ``step``. The previous keyframe's arrays are reused for this one's planes
+        where their shapes match (new memory is slow to fault in; the staging buffer is reused likewise)."""
+        with self._lock:
+            for _typesize, kept in self._chunks.values():
+                self._spare.setdefault(kept.shape, []).append(kept)
+            self._chunks, self._step, self._filling = {}, None, step
 
     @property
     def filling(self) -> bool:
@@ -108,18 +116,27 @@ class KeyframeCache:
             return
         if planes is None:
             planes = split_planes(raw, typesize, scratch(len(raw), "planes"))[0]  # this thread's; copied below
-        self._chunks[cid] = (typesize, planes[typesize - kept_planes(typesize):].copy())
+        high = planes[typesize - kept_planes(typesize):]
+        with self._lock:
+            spare = self._spare.get(high.shape)
+            kept = spare.pop() if spare else None
+        kept = high.copy() if kept is None else _copied(high, kept)
+        with self._lock:
+            self._chunks[cid] = (typesize, kept)
 
     def commit(self, step: int) -> None:
         if self._filling == step:
-            self._step, self._filling = step, None
+            with self._lock:
+                self._step, self._filling, self._spare = step, None, {}
 
     def abort(self) -> None:
         if self._filling is not None:
-            self._chunks, self._filling = {}, None
+            with self._lock:
+                self._chunks, self._filling, self._spare = {}, None, {}
 
     def clear(self) -> None:
-        self._chunks, self._step, self._filling = {}, None, None
+        with self._lock:
+            self._chunks, self._step, self._filling, self._spare = {}, None, None, {}
 
     def planes(self, keyframe_step: int | None, cid: str, typesize: int) -> list[np.ndarray | None] | None:
         """The byte planes of chunk ``cid`` of committed keyframe ``keyframe_step``, if cached with ``typesize``:
@@ -133,6 +150,11 @@ class KeyframeCache:
     @property
     def nbytes(self) -> int:
         return sum(planes.nbytes for _typesize, planes in self._chunks.values())
+
+
+def _copied(source: np.ndarray, into: np.ndarray) -> np.ndarray:
+    np.copyto(into, source)
+    return into
 
 
 def kept_planes(typesize: int) -> int:
