@@ -506,6 +506,21 @@ def test_by_default_an_async_manager_caches_the_keyframe_and_a_sync_one_does_not
             assert (mgr._saver._keyframe_cache is not None) is expected
 
 
+def test_by_default_a_keyframe_too_large_to_stage_is_not_cached_unless_asked(tmp_path: Path) -> None:
+    """max_staging_bytes says host memory is short: such a keyframe is saved synchronously and, by default, not cached."""
+    states = mlp_states(2, lr=1e-3)  # about 1.8 MB
+    for cached, expect_reads in ((None, True), (True, False)):
+        store = CountingStore(tmp_path / f"v{cached}")
+        with CheckpointManager(store, chunk_size=CHUNK, max_staging_bytes=1 << 20, cache_keyframe=cached) as mgr:
+            mgr.save(0, states[0]).wait()
+            assert (mgr._saver._keyframe_cache.nbytes > 0) is not expect_reads
+            store.read.clear()
+            mgr.save(1, states[1]).wait()
+            assert (store.chunk_bytes_read() > 0) is expect_reads
+            assert delta_chunks(mgr.manifest(1))
+            assert_restores_exactly(mgr, states)
+
+
 def test_with_a_cached_keyframe_dense_deltas_read_nothing_and_store_the_same(tmp_path: Path) -> None:
     """lr 1e-3: every element's high mantissa byte changes, so the low planes are noise, cached or not."""
     states = mlp_states(4, lr=1e-3)

@@ -5,7 +5,8 @@ unreported error of an earlier save, wait for or skip a save in flight,
 take the snapshot) -> ``_complete`` (background thread when asynchronous:
 choose the delta base, write chunks, commit the manifest, run the after-commit
 hook such as retention). At most one save is in flight per Saver, so staging
-memory is bounded by one copy of the state.
+memory is bounded by one copy of the state; the keyframe cache (by default for
+asynchronous saves) holds the high half of the latest keyframe's bytes on top.
 
 Errors of a background save are set on its handle and also kept until the
 next ``submit``, ``wait`` or ``close``, which raise them: a failure is never
