@@ -504,6 +504,9 @@ def test_by_default_an_async_manager_caches_the_keyframe_and_a_sync_one_does_not
     for async_save, expected in ((True, True), (False, False)):
         with CheckpointManager(tmp_path / f"v{async_save}", chunk_size=CHUNK, async_save=async_save) as mgr:
             assert (mgr._saver._keyframe_cache is not None) is expected
+    for options in ({"keyframe_every": 1}, {"incremental": False}):  # no delta would ever use it
+        with CheckpointManager(tmp_path / "v", cache_keyframe=True, **options) as mgr:
+            assert mgr._saver._keyframe_cache is None
 
 
 def test_by_default_a_keyframe_too_large_to_stage_is_not_cached_unless_asked(tmp_path: Path) -> None:

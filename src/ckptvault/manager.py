@@ -64,6 +64,8 @@ class CheckpointManager(MaintenanceMixin):
     keyframe on object storage. ``None`` (the default) keeps it for states
     saved asynchronously (host memory then holds the staging copy, 1x the
     state, plus this cache, 0.5x); ``True`` for every save; ``False`` never.
+    There is no cache where no delta could use it (``incremental=False`` or
+    ``keyframe_every=1``).
     """
 
     def __init__(

@@ -72,7 +72,8 @@ class Saver:
         # None: keep it while saving asynchronously, where the staging buffer already holds a copy of the state
         self.cache_keyframe = cache_keyframe
         wanted = async_save if cache_keyframe is None else cache_keyframe
-        self._keyframe_cache = KeyframeCache() if wanted and delta_policy.enabled else None
+        deltas = delta_policy.enabled and delta_policy.every > 1  # every=1: every checkpoint is a keyframe
+        self._keyframe_cache = KeyframeCache() if wanted and deltas else None
         self._executor: ThreadPoolExecutor | None = None
         self._inflight: SaveHandle | None = None
         self._task: Future[None] | None = None
