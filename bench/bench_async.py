@@ -11,7 +11,8 @@ A. Per run, after one training step: the time ``save()`` blocks the caller (ckpt
    ``torch.distributed.checkpoint.async_save``; the time until durable of that ckptvault save (an
    incremental checkpoint) and of a keyframe into an empty vault, against a synchronous DCP save of
    the same state, and the same incremental save with ``direct_io="auto"`` (chunks written with O_DIRECT
-   on ext4/XFS) and with ``cache_keyframe=False`` (the keyframe read back and checked for every delta).
+   on ext4/XFS), with ``cache_keyframe=False`` (the keyframe read back and checked for every delta), and
+   of a manager with ``keyframe_every=1`` (every save a keyframe, staging warm: what a loop's keyframes cost).
    The first ckptvault save (cold staging, keyframe) is a warm-up, reported apart.
 B. A training loop checkpointing every ``--every`` steps: steps/second without checkpoints and with
    ckptvault async, ckptvault sync, torch.save and DCP async_save (each loop ends durable).
@@ -140,8 +141,10 @@ def part_a(trainer: Trainer, runs: int, rows: dict[str, list[float]]) -> None:
     with CheckpointManager(fresh_dir(WORK / "a-ckv-async")) as mgr, \
             CheckpointManager(fresh_dir(WORK / "a-ckv-none"), codec="none") as raw, \
             CheckpointManager(fresh_dir(WORK / "a-ckv-uncached"), cache_keyframe=False) as uncached, \
-            CheckpointManager(fresh_dir(WORK / "a-ckv-direct"), storage_options={"direct_io": "auto"}) as direct:
-        variants = {"": mgr, ", codec none": raw, ", no keyframe cache": uncached, ", direct I/O": direct}
+            CheckpointManager(fresh_dir(WORK / "a-ckv-direct"), storage_options={"direct_io": "auto"}) as direct, \
+            CheckpointManager(fresh_dir(WORK / "a-ckv-keyframes"), keyframe_every=1) as keyframes:
+        variants = {"": mgr, ", codec none": raw, ", no keyframe cache": uncached, ", direct I/O": direct,
+                    ", every save a keyframe": keyframes}
         for run in range(runs + 1):
             trainer.step()
             state = trainer.state()
@@ -149,7 +152,7 @@ def part_a(trainer: Trainer, runs: int, rows: dict[str, list[float]]) -> None:
                 blocked, durable, _cpu = timed_async(partial(mgr.save, trainer.n, state))
                 add(rows, "ckptvault async, first save (cold staging, keyframe): blocked", blocked)
                 add(rows, "ckptvault async, first save (cold staging, keyframe): until durable", durable)
-                for other in (raw, uncached, direct):
+                for other in (raw, uncached, direct, keyframes):
                     other.save(trainer.n, state).wait()
                 continue
             jobs = [partial(_time_variant, name, m, trainer.n, state, rows) for name, m in variants.items()]
@@ -158,7 +161,7 @@ def part_a(trainer: Trainer, runs: int, rows: dict[str, list[float]]) -> None:
             for job in jobs[shift:] + jobs[:shift]:
                 job()
             print(f"  A run {run}: load {os.getloadavg()[0]:.1f}", flush=True)
-    for name in ("a-ckv-async", "a-ckv-none", "a-ckv-uncached", "a-ckv-direct"):
+    for name in ("a-ckv-async", "a-ckv-none", "a-ckv-uncached", "a-ckv-direct", "a-ckv-keyframes"):
         shutil.rmtree(WORK / name, ignore_errors=True)
 
 
@@ -166,8 +169,9 @@ def _time_variant(name: str, mgr: CheckpointManager, step: int, state: Any, rows
     blocked, durable, cpu = timed_async(partial(mgr.save, step, state))
     if not name:
         add(rows, "ckptvault async: blocked", blocked)
-    add(rows, f"ckptvault async{name} (incremental checkpoint): until durable", durable)
-    add(rows, f"ckptvault async{name} (incremental checkpoint): CPU s", cpu)
+    kind = "keyframe" if mgr.delta_policy.every == 1 else "incremental checkpoint"
+    add(rows, f"ckptvault async{name} ({kind}): until durable", durable)
+    add(rows, f"ckptvault async{name} ({kind}): CPU s", cpu)
 
 
 def measure_peers(state: Any, step: int, copier: Copier, rows: dict[str, list[float]]) -> None:
@@ -314,6 +318,7 @@ TARGETS = [
     ("ckptvault async, codec none (incremental checkpoint): until durable", "DCP save (sync)", 0.8),
     ("ckptvault async, no keyframe cache (incremental checkpoint): until durable", "DCP save (sync)", 0.8),
     ("ckptvault async, direct I/O (incremental checkpoint): until durable", "DCP save (sync)", 0.8),
+    ("ckptvault async, every save a keyframe (keyframe): until durable", "DCP save (sync)", 0.8),
 ]
 
 
