@@ -161,7 +161,7 @@ def part_a(trainer: Trainer, runs: int, rows: dict[str, list[float]]) -> None:
             for job in jobs[shift:] + jobs[:shift]:
                 job()
             print(f"  A run {run}: load {os.getloadavg()[0]:.1f}", flush=True)
-    for name in ("a-ckv-async", "a-ckv-none", "a-ckv-uncached", "a-ckv-direct", "a-ckv-keyframes"):
+    for name in ("a-ckv-async", "a-ckv-none", "a-ckv-uncached", "a-ckv-direct", "a-ckv-keyframes", "a-peers"):
         shutil.rmtree(WORK / name, ignore_errors=True)
 
 
@@ -175,22 +175,22 @@ def _time_variant(name: str, mgr: CheckpointManager, step: int, state: Any, rows
 
 
 def measure_peers(state: Any, step: int, copier: Copier, rows: dict[str, list[float]]) -> None:
-    """The baselines, on the state the ckptvault save just took."""
+    """The baselines, on the state the ckptvault save just took. Each writes into a new directory that stays
+    until part A ends, as ckptvault's vaults do: on this VM, new page cache costs far more than page cache
+    that a deleted file just freed, so deleting a peer's output after each save would favour the peer."""
     add(rows, "memcpy into preallocated buffers (np.copyto, 1 thread)", copier.memcpy())
     add(rows, "torch copy_ into preallocated buffers", copier.torch_copy())
-    blocked, durable, _ = timed_async(lambda: dcp_async(state, fresh_dir(WORK / "a-dcp-async")))
+    blocked, durable, _ = timed_async(lambda: dcp_async(state, fresh_dir(WORK / f"a-peers/dcp-async-{step}")))
     add(rows, "DCP async_save: blocked", blocked)
     add(rows, "DCP async_save: until durable", durable)
-    syncs = {"DCP save (sync)": lambda: peers.dcp_save(state, fresh_dir(WORK / "a-dcp")),
-             "torch.save (sync)": lambda: peers.torch_save(state, fresh_dir(WORK / "a-torch")),
+    syncs = {"DCP save (sync)": lambda: peers.dcp_save(state, fresh_dir(WORK / f"a-peers/dcp-{step}")),
+             "torch.save (sync)": lambda: peers.torch_save(state, fresh_dir(WORK / f"a-peers/torch-{step}")),
              "ckptvault save (sync), keyframe into an empty vault":
-                 lambda: peers.ckptvault_save(state, fresh_dir(WORK / "a-ckv-sync"), step=step)}
+                 lambda: peers.ckptvault_save(state, fresh_dir(WORK / f"a-peers/ckv-sync-{step}"), step=step)}
     for name, save in syncs.items():
         wall, cpu = timed_sync(save)
         add(rows, name, wall)
         add(rows, f"{name}: CPU s", cpu)
-    for name in ("a-dcp-async", "a-dcp", "a-torch", "a-ckv-sync"):
-        shutil.rmtree(WORK / name, ignore_errors=True)
 
 
 def add(rows: dict[str, list[float]], name: str, value: float) -> None:
