@@ -80,7 +80,8 @@ class KeyframeCache:
     state's bytes) and later delta saves against that keyframe XOR against those. The low planes are not
     kept: between nearby float states they are noise, which a delta stores on its own anyway (W1, one step
     and ten steps apart: 2 of 326 chunks XORed a low plane); a delta against the cache stores them on
-    their own always.
+    their own, unless the chunk barely changed (``codecs/xplanes.py``, ``BARELY_CHANGED``: rows a sparse
+    optimizer did not touch), when it reads the whole base instead.
 
     Call order, one save at a time: :meth:`begin` when a keyframe save starts (frees the previous
     keyframe's planes first), :meth:`add` per chunk, then :meth:`commit` once its manifest is committed or

@@ -60,7 +60,7 @@ class CheckpointManager(MaintenanceMixin):
     ``cache_keyframe`` keeps the high byte planes of the latest keyframe's chunks
     in host memory (half the state's bytes for float32), so that delta saves
     encode against them instead of reading the keyframe back from the store and
-    checking it: a third less CPU per delta save, and no GETs of the whole
+    checking it: about a quarter less CPU per delta save, and no GETs of the whole
     keyframe on object storage. ``None`` (the default) keeps it for states
     saved asynchronously (host memory then holds the staging copy, 1x the
     state, plus this cache, 0.5x); ``True`` for every save; ``False`` never.
