@@ -163,14 +163,12 @@ class BytePlanes(BytesStage):
         if n <= 4 * SAMPLE:
             sample = values if xor_with is None else values ^ xor_with
         else:
-            size = SAMPLE // PIECES
-            starts = [(2 * i + 1) * n // (2 * PIECES) for i in range(PIECES)]
-            sample = scratch(SAMPLE, "sample").reshape(PIECES, size)
-            for row, start in zip(sample, starts):
+            sample = scratch(SAMPLE, "sample").reshape(PIECES, SAMPLE // PIECES)
+            for row, piece in zip(sample, sample_pieces(n)):
                 if xor_with is None:
-                    row[:] = values[start : start + size]
+                    row[:] = values[piece]
                 else:
-                    np.bitwise_xor(values[start : start + size], xor_with[start : start + size], out=row)
+                    np.bitwise_xor(values[piece], xor_with[piece], out=row)
         return len(self.inner.encode(memoryview(sample).cast("B"))) / sample.size
 
     def compress_if_pays(self, plane: memoryview, ratio: float | None = None) -> bytes | memoryview | None:
@@ -213,6 +211,13 @@ class BytePlanes(BytesStage):
     @classmethod
     def from_spec(cls, spec: Spec) -> BytePlanes:
         return cls(int(spec["typesize"]), stage_from_spec(spec["inner"]))
+
+
+def sample_pieces(n: int) -> list[slice]:
+    """Where a plane of ``n`` > 4 x ``SAMPLE`` bytes is sampled: ``PIECES`` pieces of ``SAMPLE // PIECES`` bytes,
+    centred in equal parts of the plane."""
+    size = SAMPLE // PIECES
+    return [slice(start, start + size) for start in ((2 * i + 1) * n // (2 * PIECES) for i in range(PIECES))]
 
 
 def assemble(planes: list[np.ndarray], tail: memoryview | np.ndarray, out: np.ndarray) -> np.ndarray:

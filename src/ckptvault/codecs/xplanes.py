@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
-from .planes import KEEP_BELOW, PIECES, SAMPLE, Buffer, BytePlanes, StoredPlane, assemble, scratch, split_planes
+from .planes import KEEP_BELOW, SAMPLE, Buffer, BytePlanes, StoredPlane, assemble, sample_pieces, scratch, split_planes
 
 #: a candidate whose sample compresses to under this fraction of the other's is chosen without
 #: compressing the other; closer calls compress both and keep the smaller
@@ -102,13 +102,9 @@ def _barely_changed(planes: np.ndarray, base_planes: Sequence[np.ndarray | None]
     k = present[0]
     plane, base, n = planes[k], base_planes[k], planes.shape[1]
     assert base is not None
-    if n <= 4 * SAMPLE:
-        changed = np.count_nonzero(plane != base)
-        return changed < BARELY_CHANGED * n
-    size = SAMPLE // PIECES
-    starts = [(2 * i + 1) * n // (2 * PIECES) for i in range(PIECES)]
-    changed = sum(np.count_nonzero(plane[s : s + size] != base[s : s + size]) for s in starts)
-    return changed < BARELY_CHANGED * size * PIECES
+    pieces = [slice(0, n)] if n <= 4 * SAMPLE else sample_pieces(n)  # where sample_ratio() looks
+    changed = sum(np.count_nonzero(plane[piece] != base[piece]) for piece in pieces)
+    return changed < BARELY_CHANGED * sum(piece.stop - piece.start for piece in pieces)
 
 
 def _xored(plane: memoryview, base: np.ndarray) -> memoryview:
