@@ -37,6 +37,7 @@ import pytest
 import torch
 from torch import nn
 
+import ckptvault
 from ckptvault import CheckpointInfo, CheckpointManager
 from ckptvault.errors import InvalidArgumentError, StepExistsError, StorageFullError
 from conftest import assert_same_state
@@ -396,6 +397,21 @@ def test_peak_host_memory_over_ten_saves_is_bounded(tmp_path: Path, cache_keyfra
     assert growth < bound * state_bytes, f"peak RSS grew by {growth / state_bytes:.2f} x the state"
     settled = 1 if cache_keyframe is False else 3  # step 2 is the state's first keyframe: it fills the cache
     assert after[-1] - after[settled] < 0.25 * state_bytes, f"RSS kept growing from save to save: {after}"
+
+
+@pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="needs /proc to read the resident set size")
+def test_the_one_shot_save_function_neither_stages_nor_caches(tmp_path: Path) -> None:
+    """``ckptvault.save`` waits for the commit anyway: a staging copy (1x) or keyframe cache (0.5x) would be waste."""
+    tensors = [torch.randn(6_250_000) for _ in range(4)]  # 4 x 25 MB
+    state = {"model": {f"t{i}": t for i, t in enumerate(tensors)}}
+    state_bytes = sum(t.nbytes for t in tensors)
+    ckptvault.save({"warm": torch.zeros(10)}, tmp_path / "vault", 0, chunk_size=1 << 20, workers=2)
+    base = rss_bytes()
+    with PeakRss() as peak:
+        ckptvault.save(state, tmp_path / "vault", 1, chunk_size=1 << 20, workers=2)
+    growth = peak.peak - base
+    assert growth < 0.5 * state_bytes, f"peak RSS grew by {growth / state_bytes:.2f} x the state"
+    assert_same_state(state, restored(tmp_path / "vault", 1))
 
 
 # -- on_busy ---------------------------------------------------------------------------------------------

@@ -23,12 +23,17 @@ __all__ = ["CheckpointInfo", "CheckpointManager", "SaveHandle", "TensorInfo", "_
 def save(state, url, step: int, **kwargs):  # type: ignore[no-untyped-def]
     """Save ``state`` as ``step`` into the vault at ``url`` and wait until committed.
 
+    The save is synchronous: it returns once committed, so copying the state into
+    staging memory first (or keeping a keyframe cache for a manager that ends
+    with the call) would only cost time and memory. For saves that return early
+    and for cached keyframes, keep a :class:`CheckpointManager` open.
+
     Keyword arguments are those of :meth:`CheckpointManager.save`, plus the
     manager's own (``codec``, ``codec_rules``, ``chunk_size``, ``storage_options``, ``on_unsafe``, ``max_flushed``).
     """
     manager_kwargs = {k: kwargs.pop(k) for k in ("codec", "codec_rules", "chunk_size", "storage_options", "workers",
                                                  "on_unsafe", "max_flushed") if k in kwargs}
-    with CheckpointManager(url, **manager_kwargs) as mgr:
+    with CheckpointManager(url, async_save=False, **manager_kwargs) as mgr:
         return mgr.save(step, state, **kwargs).wait()
 
 
