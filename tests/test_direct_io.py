@@ -3,12 +3,11 @@
 With ``direct_io="auto"`` on ext4 and XFS a write batch writes each chunk's whole 4 KiB blocks with O_DIRECT,
 so a save leaves at most the last partial page of each chunk in the page cache. Checked on the real file
 system under ``tmp_path`` with mincore(2), and on tmpfs (``/dev/shm``), where "auto" stays buffered. The
-default is buffered writes.
+default is buffered writes (which the default drop-behind then drops: tests/test_drop_behind.py).
 """
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import logging
 import mmap
@@ -23,35 +22,11 @@ from ckptvault import CheckpointManager
 from ckptvault.errors import InvalidArgumentError, PermanentStorageError
 from ckptvault.stores import open_store
 from ckptvault.stores.local import DIRECT_ALIGN, DIRECT_IO_FILE_SYSTEMS, DIRECT_PIECE, LocalStore, _file_system_type
+from helpers.page_cache import cached_pages
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "O_DIRECT"), reason="O_DIRECT is Linux-only")
 
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
-_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-
 SIZES = [0, 1, DIRECT_ALIGN - 1, DIRECT_ALIGN, DIRECT_ALIGN + 1, (4 << 20) + 100, DIRECT_PIECE + 5, 3 * DIRECT_PIECE]
-
-
-def cached_pages(path: Path) -> int:
-    """Pages of ``path`` in the page cache (mincore(2) on a mapping that is never touched)."""
-    size = path.stat().st_size
-    if not size:
-        return 0
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        addr = _libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
-        assert addr not in (None, ctypes.c_void_p(-1).value), os.strerror(ctypes.get_errno())
-        try:
-            vec = ctypes.create_string_buffer((size + mmap.PAGESIZE - 1) // mmap.PAGESIZE)
-            assert _libc.mincore(addr, size, vec) == 0, os.strerror(ctypes.get_errno())
-            return sum(byte & 1 for byte in vec.raw)
-        finally:
-            _libc.munmap(addr, size)
-    finally:
-        os.close(fd)
 
 
 def write_batch(store: LocalStore, blobs: dict[str, bytes]) -> None:
@@ -88,7 +63,8 @@ def tmpfs_dir(tmp_path: Path) -> Path:
 
 
 def test_auto_writes_chunks_around_the_page_cache(block_fs_dir: Path) -> None:
-    direct, buffered = LocalStore(block_fs_dir / "direct", direct_io="auto"), LocalStore(block_fs_dir / "buffered")
+    direct = LocalStore(block_fs_dir / "direct", direct_io="auto")
+    buffered = LocalStore(block_fs_dir / "buffered", drop_behind=False)
     blobs = blobs_of(SIZES)
     for store in (direct, buffered):
         (store.root / "chunks").mkdir(parents=True)
@@ -99,7 +75,8 @@ def test_auto_writes_chunks_around_the_page_cache(block_fs_dir: Path) -> None:
 
 
 def test_direct_chunks_leave_only_their_last_partial_page_cached(block_fs_dir: Path) -> None:
-    direct, buffered = LocalStore(block_fs_dir / "direct", direct_io="auto"), LocalStore(block_fs_dir / "buffered")
+    direct = LocalStore(block_fs_dir / "direct", direct_io="auto")
+    buffered = LocalStore(block_fs_dir / "buffered", drop_behind=False)
     blobs = blobs_of(SIZES)
     for store in (direct, buffered):
         store.root.mkdir()

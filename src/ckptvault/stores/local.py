@@ -29,6 +29,18 @@ through the page cache. A save then neither copies its bytes into the page
 cache nor evicts the training job's cached files with them, but each chunk
 writer waits for the device ("auto": on ext4 and XFS; True: wherever the file
 system accepts it). Reads stay buffered.
+
+With ``drop_behind`` (on by default where ``posix_fadvise`` exists) what the
+store writes leaves the page cache once it is durable or written back. A
+single ``put`` drops its object right after the fsync. A batch drops its
+chunks as it goes, all but the newest :data:`DROP_BEHIND_WINDOW` bytes
+(``POSIX_FADV_DONTNEED`` drops only clean pages; dirty ones stay until the
+sync), and the rest after its data sync. A save then holds at most that
+window of page cache instead of its whole size, evicts none of the training
+job's cached files (datasets), and recycles the same few pages from chunk to
+chunk instead of faulting in new ones. The hint never affects durability.
+Reads stay cached: a delta save reads its keyframe's chunks once, then from
+memory.
 """
 
 from __future__ import annotations
@@ -42,6 +54,7 @@ import platform
 import sys
 import threading
 import uuid
+from collections import deque
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -58,33 +71,47 @@ DIRECT_IO_FILE_SYSTEMS = {0xEF53: "ext4", 0x58465342: "xfs"}
 DIRECT_ALIGN = 4096
 #: the most bytes one O_DIRECT write copies into the thread's aligned buffer
 DIRECT_PIECE = 8 << 20
+#: with drop_behind, the newest bytes of a save's chunks that may stay cached while it writes
+DROP_BEHIND_WINDOW = 64 << 20
+#: the storage_options a local vault takes
+LOCAL_OPTIONS = ("direct_io", "drop_behind")
 
 
 class LocalStore(Store):
     """Objects are files under ``root``; keys map to relative paths."""
 
-    def __init__(self, root: str | os.PathLike[str], direct_io: bool | str = False) -> None:
+    def __init__(self, root: str | os.PathLike[str], direct_io: bool | str = False,
+                 drop_behind: bool | None = None) -> None:
         """``direct_io``: how write batches (a save's chunks) write: False (the default) through the page
         cache, "auto" with O_DIRECT on ext4 and XFS, True with O_DIRECT on any file system that accepts it
-        (one that refuses fails the save)."""
+        (one that refuses fails the save). ``drop_behind``: whether write batches drop their chunks from
+        the page cache once written back (module docstring); None (the default) means wherever
+        ``posix_fadvise`` exists, True requires it."""
         if direct_io not in (True, False, "auto"):
             raise InvalidArgumentError(f"direct_io must be true, false or 'auto', got {direct_io!r}")
         if direct_io is True and not hasattr(os, "O_DIRECT"):
             raise InvalidArgumentError(f"direct_io=True needs O_DIRECT, which {sys.platform} does not have; "
                                        "use direct_io='auto' or False")
+        if drop_behind not in (True, False, None):
+            raise InvalidArgumentError(f"drop_behind must be true or false, got {drop_behind!r}")
+        if drop_behind and not _CAN_DROP:
+            raise InvalidArgumentError(f"drop_behind=True needs posix_fadvise, which {sys.platform} does not have; "
+                                       "leave drop_behind unset or pass False")
         self.root = Path(root).expanduser().absolute()
         self.url = str(self.root)
         self.direct_io = direct_io
+        self.drop_behind = _CAN_DROP if drop_behind is None else drop_behind
         self._direct: bool | None = None  # decided at the first batch write, once the root exists
         self._made_dirs: set[Path] = set()
 
     @classmethod
     def from_options(cls, root: str, options: dict | None) -> LocalStore:
-        """A store for ``root`` with ``storage_options`` (only ``direct_io``); unknown keys are an error."""
+        """A store for ``root`` with ``storage_options`` (``direct_io``, ``drop_behind``); unknown keys are an
+        error."""
         options = dict(options or {})
-        unknown = sorted(set(options) - {"direct_io"})
+        unknown = sorted(set(options) - set(LOCAL_OPTIONS))
         if unknown:
-            raise InvalidArgumentError(f"unknown storage_options for local vaults: {unknown}; known: ['direct_io']")
+            raise InvalidArgumentError(f"unknown storage_options for local vaults: {unknown}; known: {list(LOCAL_OPTIONS)}")
         return cls(root, **options)
 
     def writes_direct(self) -> bool:
@@ -152,6 +179,8 @@ class LocalStore(Store):
                             view = view[written:]
                     if sync:
                         os.fsync(fd)
+                        if self.drop_behind:  # clean now: the object's pages go at once
+                            _drop_cached_fd(fd, tmp)
                     elif _start_writeback is not None:
                         _start_writeback(fd, 0, 0, _SYNC_FILE_RANGE_WRITE)  # a hint: its result is not needed
                 finally:
@@ -309,6 +338,8 @@ class LocalWriteBatch(WriteBatch):
     returns after writing the temporary file; the object is invisible until
     :meth:`finish`, which syncs the file system, links every temporary file to its final name (an existing
     object with that name wins: it holds the same bytes), removes the temporary files and syncs again.
+    With the store's ``drop_behind``, chunks older than the newest :data:`DROP_BEHIND_WINDOW` bytes are
+    dropped from the page cache as the batch goes, and the rest after the first sync.
     """
 
     def __init__(self, store: LocalStore) -> None:
@@ -316,6 +347,8 @@ class LocalWriteBatch(WriteBatch):
         self.local = store
         self._pending: list[tuple[Path, Path]] = []
         self._lock = threading.Lock()
+        self._cached: deque[tuple[Path, int]] = deque()  # written, not yet dropped (with drop_behind)
+        self._cached_bytes = 0
 
     def put_if_absent(self, key: str, data: bytes | memoryview) -> bool:
         return self.put_parts_if_absent(key, [data])
@@ -327,7 +360,23 @@ class LocalWriteBatch(WriteBatch):
         tmp = self.local.write_unsynced(parts, final)
         with self._lock:
             self._pending.append((tmp, final))
+        if self.local.drop_behind:
+            self._drop_beyond_window(tmp, sum(memoryview(p).nbytes for p in parts))
         return True
+
+    def _drop_beyond_window(self, written: Path, nbytes: int) -> None:
+        """Note ``written``; drop the oldest noted files from the page cache while the rest exceed the window
+        (what is still dirty stays cached until :meth:`finish` syncs it)."""
+        with self._lock:
+            self._cached.append((written, nbytes))
+            self._cached_bytes += nbytes
+            old = []
+            while self._cached_bytes - self._cached[0][1] >= DROP_BEHIND_WINDOW:
+                path, size = self._cached.popleft()
+                self._cached_bytes -= size
+                old.append(path)
+        for path in old:
+            _drop_cached(path)
 
     def finish(self) -> None:
         with self._lock:
@@ -336,6 +385,11 @@ class LocalWriteBatch(WriteBatch):
             return
         try:
             self._sync()  # the data of every temporary file
+            if self.local.drop_behind:
+                with self._lock:
+                    cached, self._cached, self._cached_bytes = self._cached, deque(), 0
+                for path, _size in cached:
+                    _drop_cached(path)  # clean now: every page goes
             for tmp, final in pending:
                 self.local._ensure_dir(final.parent)
                 with _classified(str(final)):
@@ -351,6 +405,7 @@ class LocalWriteBatch(WriteBatch):
     def abandon(self) -> None:
         with self._lock:
             pending, self._pending = self._pending, []
+            self._cached, self._cached_bytes = deque(), 0
         for tmp, _final in pending:
             _unlink_quietly(tmp)
 
@@ -402,6 +457,32 @@ def _thread_buffer(name: str, nbytes: int) -> memoryview:
         buffer = mmap.mmap(-1, max(nbytes, DIRECT_ALIGN))
         setattr(_buffers, name, buffer)
     return memoryview(buffer)
+
+
+#: posix_fadvise and POSIX_FADV_DONTNEED exist here (Linux, most Unix; not macOS or Windows)
+_CAN_DROP = hasattr(os, "posix_fadvise") and hasattr(os, "POSIX_FADV_DONTNEED")
+
+
+def _drop_cached(path: Path) -> None:
+    """Ask the kernel to drop ``path``'s clean pages from the page cache (dirty ones are left): a hint, so a
+    failure is only logged."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError as exc:
+        log.debug("could not drop %s from the page cache: %s", path, exc)
+        return
+    try:
+        _drop_cached_fd(fd, path)
+    finally:
+        os.close(fd)
+
+
+def _drop_cached_fd(fd: int, path: Path) -> None:
+    """:func:`_drop_cached` of the file open as ``fd``."""
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    except OSError as exc:
+        log.debug("could not drop %s from the page cache: %s", path, exc)
 
 
 class _DirectIORefused(Exception):

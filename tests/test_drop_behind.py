@@ -1,0 +1,112 @@
+"""Drop-behind on the local store (``drop_behind`` storage option, on by default on Linux).
+
+A write batch drops its chunks from the page cache once they are written back: during the batch, everything
+older than the newest ``DROP_BEHIND_WINDOW`` bytes; after its data sync, the rest. Checked on the real file
+system under ``tmp_path`` with mincore(2). tmpfs keeps its pages whatever a process advises, so these tests skip
+there.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from ckptvault import CheckpointManager
+from ckptvault.errors import InvalidArgumentError
+from ckptvault.stores import open_store
+from ckptvault.stores.local import DROP_BEHIND_WINDOW, LocalStore, _file_system_type
+from helpers.page_cache import cached_pages
+
+pytestmark = pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="drop-behind needs posix_fadvise")
+
+TMPFS = 0x01021994
+MIB = 1 << 20
+
+
+@pytest.fixture
+def disk_dir(tmp_path: Path) -> Path:
+    if _file_system_type(tmp_path) in (None, TMPFS):
+        pytest.skip(f"{tmp_path} is on tmpfs (or its file system is unknown), which keeps pages in memory")
+    return tmp_path
+
+
+def blob(i: int, size: int = MIB) -> bytes:
+    return np.random.default_rng(i).integers(0, 256, size, dtype=np.uint8).tobytes()
+
+
+def pages(size: int) -> int:
+    return -(-size // os.sysconf("SC_PAGE_SIZE"))
+
+
+@pytest.mark.parametrize("drop_behind", [True, False])
+def test_a_finished_batch_leaves_its_chunks_out_of_the_page_cache(disk_dir: Path, drop_behind: bool) -> None:
+    store = LocalStore(disk_dir / "v", drop_behind=drop_behind)
+    store.root.mkdir()
+    blobs = {f"chunks/{i:02d}/c{i}": blob(i, size) for i, size in enumerate([1, 4096, 4097, 3 * MIB + 5])}
+    batch = store.write_batch()
+    for key, data in blobs.items():
+        assert batch.put_if_absent(key, data)
+    batch.finish()
+    for key, data in blobs.items():
+        assert cached_pages(store.root / key) == (0 if drop_behind else pages(len(data))), key
+        assert store.get(key) == data, key
+
+
+@pytest.mark.parametrize("drop_behind", [True, False])
+def test_a_single_put_leaves_its_object_out_of_the_page_cache(disk_dir: Path, drop_behind: bool) -> None:
+    store = LocalStore(disk_dir / "v", drop_behind=drop_behind)
+    data = blob(3, 2 * MIB + 1)
+    store.put("manifests/a", data)
+    assert store.put_if_absent("chunks/b", data)
+    for key in ("manifests/a", "chunks/b"):
+        assert cached_pages(store.root / key) == (0 if drop_behind else pages(len(data))), key
+        assert store.get(key) == data
+
+
+def test_while_a_batch_writes_only_its_newest_window_stays_cached(disk_dir: Path) -> None:
+    """Each chunk is made clean (``os.sync``) before the next is written, so whatever the batch drops goes
+    at once: every chunk older than the window, and none of the newest window."""
+    store = LocalStore(disk_dir / "v")
+    store.root.mkdir()
+    count = DROP_BEHIND_WINDOW // MIB + 24
+    batch = store.write_batch()
+    for i in range(count):
+        assert batch.put_if_absent(f"chunks/c{i:03d}", blob(i))
+        os.sync()
+    temps = sorted((store.root / "tmp").iterdir(), key=lambda p: p.stat().st_mtime_ns)
+    assert len(temps) == count
+    cached = [cached_pages(path) for path in temps]
+    window = DROP_BEHIND_WINDOW // MIB
+    assert cached[: count - window] == [0] * (count - window)
+    assert cached[count - window + 1 :] == [pages(MIB)] * (window - 1)
+    batch.finish()
+    assert [cached_pages(store.root / f"chunks/c{i:03d}") for i in range(count)] == [0] * count
+    assert store.get("chunks/c007") == blob(7)
+
+
+def test_a_save_leaves_no_chunk_cached_and_restores_bit_exact(disk_dir: Path) -> None:
+    state = {"w": torch.randn(3_000_017), "ids": torch.arange(100_000, dtype=torch.int64), "step": 5}
+    with CheckpointManager(disk_dir / "vault", chunk_size=MIB, async_save=False) as mgr:
+        mgr.save(5, state)
+        assert mgr.vault.store.drop_behind
+    chunk_files = [p for p in (disk_dir / "vault" / "chunks").rglob("*") if p.is_file()]
+    assert len(chunk_files) >= 12
+    assert sum(cached_pages(p) for p in chunk_files) == 0
+    with CheckpointManager(disk_dir / "vault") as mgr:
+        restored = mgr.restore(5)
+    assert torch.equal(restored["w"], state["w"]) and torch.equal(restored["ids"], state["ids"])
+    assert restored["step"] == 5
+
+
+def test_storage_option_drop_behind(tmp_path: Path) -> None:
+    assert open_store(str(tmp_path / "a")).drop_behind is True
+    assert open_store(str(tmp_path / "b"), {"drop_behind": False}).drop_behind is False
+    with pytest.raises(InvalidArgumentError, match="drop_behind must be true or false, got 'yes'"):
+        CheckpointManager(tmp_path / "c", storage_options={"drop_behind": "yes"})
+    with pytest.raises(InvalidArgumentError,
+                       match=r"unknown storage_options for local vaults: \['drop'\]; known: \['direct_io', 'drop_behind'\]"):
+        open_store(str(tmp_path / "d"), {"drop": True})
