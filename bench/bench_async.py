@@ -12,7 +12,8 @@ A. Per run, after one training step: the time ``save()`` blocks the caller (ckpt
    incremental checkpoint) and of a keyframe into an empty vault, against a synchronous DCP save of
    the same state, and the same incremental save with ``direct_io="auto"`` (chunks written with O_DIRECT
    on ext4/XFS), with ``cache_keyframe=False`` (the keyframe read back and checked for every delta), and
-   of a manager with ``keyframe_every=1`` (every save a keyframe, staging warm: what a loop's keyframes cost).
+   of a manager with ``keyframe_every=1`` (every save a keyframe, staging warm: what a loop's keyframes cost);
+   the default and the keyframe manager again with ``drop_behind=False`` (chunks left in the page cache).
    The first ckptvault save (cold staging, keyframe) is a warm-up, reported apart.
 B. A training loop checkpointing every ``--every`` steps: steps/second without checkpoints and with
    ckptvault async, ckptvault sync, torch.save and DCP async_save (each loop ends durable).
@@ -54,6 +55,8 @@ from common import fresh_dir, machine  # noqa: E402
 from workloads import OUT_DIR, SIZES, W1_LR, state_nbytes, tensor_leaves, w1_state, zeroed_copy  # noqa: E402
 
 WORK = OUT_DIR / "async"
+#: storage_options of the variants that keep their chunks in the page cache (drop-behind off)
+KEEP_CACHED = {"drop_behind": False}
 VARIANTS = ("no checkpoint", "ckptvault async", "ckptvault async, codec lz4", "ckptvault sync", "torch.save",
             "DCP async_save")
 
@@ -142,9 +145,13 @@ def part_a(trainer: Trainer, runs: int, rows: dict[str, list[float]]) -> None:
             CheckpointManager(fresh_dir(WORK / "a-ckv-none"), codec="none") as raw, \
             CheckpointManager(fresh_dir(WORK / "a-ckv-uncached"), cache_keyframe=False) as uncached, \
             CheckpointManager(fresh_dir(WORK / "a-ckv-direct"), storage_options={"direct_io": "auto"}) as direct, \
-            CheckpointManager(fresh_dir(WORK / "a-ckv-keyframes"), keyframe_every=1) as keyframes:
+            CheckpointManager(fresh_dir(WORK / "a-ckv-keyframes"), keyframe_every=1) as keyframes, \
+            CheckpointManager(fresh_dir(WORK / "a-ckv-kept"), storage_options=KEEP_CACHED) as kept, \
+            CheckpointManager(fresh_dir(WORK / "a-ckv-keyframes-kept"), keyframe_every=1,
+                              storage_options=KEEP_CACHED) as keyframes_kept:
         variants = {"": mgr, ", codec none": raw, ", no keyframe cache": uncached, ", direct I/O": direct,
-                    ", every save a keyframe": keyframes}
+                    ", page cache kept": kept, ", every save a keyframe": keyframes,
+                    ", every save a keyframe, page cache kept": keyframes_kept}
         for run in range(runs + 1):
             trainer.step()
             state = trainer.state()
@@ -152,7 +159,7 @@ def part_a(trainer: Trainer, runs: int, rows: dict[str, list[float]]) -> None:
                 blocked, durable, _cpu = timed_async(partial(mgr.save, trainer.n, state))
                 add(rows, "ckptvault async, first save (cold staging, keyframe): blocked", blocked)
                 add(rows, "ckptvault async, first save (cold staging, keyframe): until durable", durable)
-                for other in (raw, uncached, direct, keyframes):
+                for other in (raw, uncached, direct, kept, keyframes, keyframes_kept):
                     other.save(trainer.n, state).wait()
                 continue
             jobs = [partial(_time_variant, name, m, trainer.n, state, rows) for name, m in variants.items()]
@@ -161,7 +168,8 @@ def part_a(trainer: Trainer, runs: int, rows: dict[str, list[float]]) -> None:
             for job in jobs[shift:] + jobs[:shift]:
                 job()
             print(f"  A run {run}: load {os.getloadavg()[0]:.1f}", flush=True)
-    for name in ("a-ckv-async", "a-ckv-none", "a-ckv-uncached", "a-ckv-direct", "a-ckv-keyframes", "a-peers"):
+    for name in ("a-ckv-async", "a-ckv-none", "a-ckv-uncached", "a-ckv-direct", "a-ckv-kept", "a-ckv-keyframes",
+                 "a-ckv-keyframes-kept", "a-peers"):
         shutil.rmtree(WORK / name, ignore_errors=True)
 
 
@@ -186,7 +194,10 @@ def measure_peers(state: Any, step: int, copier: Copier, rows: dict[str, list[fl
     syncs = {"DCP save (sync)": lambda: peers.dcp_save(state, fresh_dir(WORK / f"a-peers/dcp-{step}")),
              "torch.save (sync)": lambda: peers.torch_save(state, fresh_dir(WORK / f"a-peers/torch-{step}")),
              "ckptvault save (sync), keyframe into an empty vault":
-                 lambda: peers.ckptvault_save(state, fresh_dir(WORK / f"a-peers/ckv-sync-{step}"), step=step)}
+                 lambda: peers.ckptvault_save(state, fresh_dir(WORK / f"a-peers/ckv-sync-{step}"), step=step),
+             "ckptvault save (sync), keyframe into an empty vault, page cache kept":
+                 lambda: peers.ckptvault_save(state, fresh_dir(WORK / f"a-peers/ckv-kept-{step}"), step=step,
+                                              storage_options=KEEP_CACHED)}
     for name, save in syncs.items():
         wall, cpu = timed_sync(save)
         add(rows, name, wall)
@@ -319,6 +330,9 @@ TARGETS = [
     ("ckptvault async, no keyframe cache (incremental checkpoint): until durable", "DCP save (sync)", 0.8),
     ("ckptvault async, direct I/O (incremental checkpoint): until durable", "DCP save (sync)", 0.8),
     ("ckptvault async, every save a keyframe (keyframe): until durable", "DCP save (sync)", 0.8),
+    ("ckptvault async, page cache kept (incremental checkpoint): until durable", "DCP save (sync)", 0.8),
+    ("ckptvault async, every save a keyframe, page cache kept (keyframe): until durable", "DCP save (sync)", 0.8),
+    ("ckptvault save (sync), keyframe into an empty vault, page cache kept", "DCP save (sync)", 0.8),
 ]
 
 

@@ -88,11 +88,12 @@ def dcp_load(dest: Path, target: Any) -> None:
     dcp.load(target, storage_reader=dcp.FileSystemReader(str(dest)))
 
 
-def ckptvault_save(state: Any, dest: Path, codec: str | None = None, step: int = 1, workers: int | None = None) -> None:
+def ckptvault_save(state: Any, dest: Path, codec: str | None = None, step: int = 1, workers: int | None = None,
+                   storage_options: dict | None = None) -> None:
     """A synchronous CheckpointManager.save into the vault at ``dest`` (its local store fsyncs every object)."""
     from ckptvault import CheckpointManager
 
-    with CheckpointManager(dest, codec=codec, workers=workers, async_save=False) as mgr:
+    with CheckpointManager(dest, codec=codec, workers=workers, async_save=False, storage_options=storage_options) as mgr:
         mgr.save(step, state).wait()
 
 
