@@ -77,9 +77,12 @@ def test_while_a_batch_writes_only_its_newest_window_stays_cached(disk_dir: Path
     for i in range(count):
         assert batch.put_if_absent(f"chunks/c{i:03d}", blob(i))
         os.sync()
-    temps = sorted((store.root / "tmp").iterdir(), key=lambda p: p.stat().st_mtime_ns)
-    assert len(temps) == count
-    cached = [cached_pages(path) for path in temps]
+    by_path = {path: cached_pages(path) for path in (store.root / "tmp").iterdir()}
+    assert len(by_path) == count
+    index = {blob(i)[:64]: i for i in range(count)}  # which chunk each temporary file holds (read after counting)
+    cached = [0] * count
+    for path, n in by_path.items():
+        cached[index[path.read_bytes()[:64]]] = n
     window = DROP_BEHIND_WINDOW // MIB
     assert cached[: count - window] == [0] * (count - window)
     assert cached[count - window + 1 :] == [pages(MIB)] * (window - 1)

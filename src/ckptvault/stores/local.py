@@ -34,11 +34,12 @@ With ``drop_behind`` (on by default where ``posix_fadvise`` exists) what the
 store writes leaves the page cache once it is durable or written back. A
 single ``put`` drops its object right after the fsync. A batch drops its
 chunks as it goes, all but the newest :data:`DROP_BEHIND_WINDOW` bytes
-(``POSIX_FADV_DONTNEED`` drops only clean pages; dirty ones stay until the
-sync), and the rest after its data sync. A save then holds at most that
-window of page cache instead of its whole size, evicts none of the training
-job's cached files (datasets), and recycles the same few pages from chunk to
-chunk instead of faulting in new ones. The hint never affects durability.
+(``POSIX_FADV_DONTNEED`` drops only clean pages), and every one again after
+its data sync, when all are clean. A save then holds about that window
+of page cache (plus what the device has not yet written back) instead of its
+whole size, evicts none of the training job's cached files (datasets), and
+recycles the same few pages from chunk to chunk instead of faulting in new
+ones. The hint never affects durability.
 Reads stay cached: a delta save reads its keyframe's chunks once, then from
 memory.
 """
@@ -339,7 +340,7 @@ class LocalWriteBatch(WriteBatch):
     :meth:`finish`, which syncs the file system, links every temporary file to its final name (an existing
     object with that name wins: it holds the same bytes), removes the temporary files and syncs again.
     With the store's ``drop_behind``, chunks older than the newest :data:`DROP_BEHIND_WINDOW` bytes are
-    dropped from the page cache as the batch goes, and the rest after the first sync.
+    dropped from the page cache as the batch goes (their clean pages), and all of them after the first sync.
     """
 
     def __init__(self, store: LocalStore) -> None:
@@ -387,9 +388,9 @@ class LocalWriteBatch(WriteBatch):
             self._sync()  # the data of every temporary file
             if self.local.drop_behind:
                 with self._lock:
-                    cached, self._cached, self._cached_bytes = self._cached, deque(), 0
-                for path, _size in cached:
-                    _drop_cached(path)  # clean now: every page goes
+                    self._cached, self._cached_bytes = deque(), 0
+                for tmp, _final in pending:  # clean now, every page goes (also of those dropped while still dirty)
+                    _drop_cached(tmp)
             for tmp, final in pending:
                 self.local._ensure_dir(final.parent)
                 with _classified(str(final)):
