@@ -19,7 +19,9 @@ from ckptvault.copy import copy_checkpoints
 from ckptvault.errors import StepExistsError, StepNotFoundError, StorageError
 from ckptvault.stores import LocalStore
 from ckptvault.stores.faults import FaultyStore
+from ckptvault.stores.local import _file_system_type
 from conftest import assert_same_state
+from helpers.page_cache import cached_pages
 
 pytest.register_assert_rewrite("conftest_s3")
 from conftest_s3 import Gateway  # noqa: E402
@@ -128,6 +130,30 @@ def cli(*args: object, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in env.items() if not k.startswith("TQDM_")}
     return subprocess.run([sys.executable, "-m", "ckptvault", *map(str, args)], capture_output=True, text=True,
                           timeout=180, env=env)
+
+
+@pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="drop-behind needs posix_fadvise")
+def test_cp_passes_storage_options_to_each_vault(tmp_path: Path, states: dict[int, dict[str, Any]]) -> None:
+    """--dst-option reaches the destination's store: with drop_behind=false its chunks stay in the page cache,
+    by default they do not (tests/test_drop_behind.py). Bad options fail in one line, before anything is sent."""
+    if _file_system_type(tmp_path) in (None, 0x01021994):
+        pytest.skip("tmpfs keeps every page cached")
+    src = tmp_path / "src"
+    _save(src, states, (10,))
+    env = dict(os.environ)
+    for dst, extra, cached in ((tmp_path / "kept", ["--dst-option", "drop_behind=false"], True),
+                               (tmp_path / "dropped", [], False)):
+        done = cli("cp", src, dst, *extra, env=env)
+        assert done.returncode == 0, done.stderr
+        chunks = [p for p in (dst / "chunks").rglob("*") if p.is_file()]
+        assert chunks and all((cached_pages(p) > 0) is cached for p in chunks), dst
+    bad = cli("cp", src, tmp_path / "x", "--src-option", "bogus=1", env=env)
+    assert bad.returncode == 2 and "unknown storage_options for local vaults: ['bogus']" in bad.stderr, bad.stderr
+    assert "Traceback" not in bad.stderr and not (tmp_path / "x").exists()
+    malformed = cli("cp", src, tmp_path / "x", "--dst-option", "drop_behind", env=env)
+    assert malformed.returncode == 2 and "'drop_behind' is not KEY=VALUE" in malformed.stderr, malformed.stderr
+    wrong = cli("cp", src, tmp_path / "x", "--dst-option", "drop_behind=sometimes", env=env)
+    assert wrong.returncode == 2 and "drop_behind must be true or false, got 'sometimes'" in wrong.stderr, wrong.stderr
 
 
 def test_cp_local_to_s3_then_cli_commands_on_the_s3_vault(tmp_path: Path, states: dict[int, dict[str, Any]], rgw: Gateway,
