@@ -85,9 +85,9 @@ class LocalStore(Store):
                  drop_behind: bool | None = None) -> None:
         """``direct_io``: how write batches (a save's chunks) write: False (the default) through the page
         cache, "auto" with O_DIRECT on ext4 and XFS, True with O_DIRECT on any file system that accepts it
-        (one that refuses fails the save). ``drop_behind``: whether write batches drop their chunks from
-        the page cache once written back (module docstring); None (the default) means wherever
-        ``posix_fadvise`` exists, True requires it."""
+        (one that refuses fails the save). ``drop_behind``: whether what the store writes leaves the page
+        cache once it is on disk (module docstring); None (the default) means wherever ``posix_fadvise``
+        exists, True requires it."""
         if direct_io not in (True, False, "auto"):
             raise InvalidArgumentError(f"direct_io must be true, false or 'auto', got {direct_io!r}")
         if direct_io is True and not hasattr(os, "O_DIRECT"):
