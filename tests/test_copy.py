@@ -19,9 +19,8 @@ from ckptvault.copy import copy_checkpoints
 from ckptvault.errors import StepExistsError, StepNotFoundError, StorageError
 from ckptvault.stores import LocalStore
 from ckptvault.stores.faults import FaultyStore
-from ckptvault.stores.local import _file_system_type
 from conftest import assert_same_state
-from helpers.page_cache import cached_pages
+from helpers.page_cache import cached_pages, drops_observable
 
 pytest.register_assert_rewrite("conftest_s3")
 from conftest_s3 import Gateway  # noqa: E402
@@ -136,8 +135,8 @@ def cli(*args: object, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
 def test_cp_passes_storage_options_to_each_vault(tmp_path: Path, states: dict[int, dict[str, Any]]) -> None:
     """--dst-option reaches the destination's store: with drop_behind=false its chunks stay in the page cache,
     by default they do not (tests/test_drop_behind.py). Bad options fail in one line, before anything is sent."""
-    if _file_system_type(tmp_path) in (None, 0x01021994):
-        pytest.skip("tmpfs keeps every page cached")
+    if not drops_observable(tmp_path):
+        pytest.skip(f"the file system of {tmp_path} does not show page cache drops")
     src = tmp_path / "src"
     _save(src, states, (10,))
     env = dict(os.environ)

@@ -1,9 +1,9 @@
 """Drop-behind on the local store (``drop_behind`` storage option, on by default on Linux).
 
 A write batch drops its chunks from the page cache once they are written back: during the batch, everything
-older than the newest ``DROP_BEHIND_WINDOW`` bytes; after its data sync, the rest. Checked on the real file
-system under ``tmp_path`` with mincore(2). tmpfs keeps its pages whatever a process advises, so these tests skip
-there.
+older than the newest ``DROP_BEHIND_WINDOW`` bytes; after its data sync, all of them. Checked on the real file
+system under ``tmp_path`` with mincore(2); they skip where that file system does not show drops (tmpfs keeps its
+pages whatever a process advises).
 """
 
 from __future__ import annotations
@@ -18,19 +18,18 @@ import torch
 from ckptvault import CheckpointManager
 from ckptvault.errors import InvalidArgumentError
 from ckptvault.stores import open_store
-from ckptvault.stores.local import DROP_BEHIND_WINDOW, LocalStore, _file_system_type
-from helpers.page_cache import cached_pages
+from ckptvault.stores.local import DROP_BEHIND_WINDOW, LocalStore
+from helpers.page_cache import cached_pages, drops_observable
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="drop-behind needs posix_fadvise")
 
-TMPFS = 0x01021994
 MIB = 1 << 20
 
 
 @pytest.fixture
 def disk_dir(tmp_path: Path) -> Path:
-    if _file_system_type(tmp_path) in (None, TMPFS):
-        pytest.skip(f"{tmp_path} is on tmpfs (or its file system is unknown), which keeps pages in memory")
+    if not drops_observable(tmp_path):
+        pytest.skip(f"the file system of {tmp_path} does not show page cache drops (tmpfs keeps its pages)")
     return tmp_path
 
 

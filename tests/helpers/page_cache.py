@@ -31,3 +31,21 @@ def cached_pages(path: Path) -> int:
             _libc.munmap(addr, size)
     finally:
         os.close(fd)
+
+
+def drops_observable(directory: Path) -> bool:
+    """Whether files in ``directory`` stay in the page cache once written and leave it on POSIX_FADV_DONTNEED,
+    as mincore shows (not on tmpfs, which keeps its pages, nor on file systems that cache nothing)."""
+    probe = directory / ".page-cache-probe"
+    probe.write_bytes(os.urandom(16 * mmap.PAGESIZE))
+    try:
+        fd = os.open(probe, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            cached = cached_pages(probe)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+        return cached == 16 and cached_pages(probe) == 0
+    finally:
+        probe.unlink()
