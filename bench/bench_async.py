@@ -21,6 +21,8 @@ C. Peak RSS during a save relative to the state, one fresh subprocess per method
    after loading the state).
 
 DCP runs under a single-process gloo group. Medians over ``--runs``; variants rotate in B.
+Part A keeps every output until it ends, about 10 GB per run of W1: ``--runs 5`` needs about 60 GB free
+(a full disk fails the run with StorageFullError).
 Results: stdout (markdown) and ``bench/out/async-results.{json,md}``.
 """
 
