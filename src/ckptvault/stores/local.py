@@ -34,12 +34,13 @@ With ``drop_behind`` (on by default where ``posix_fadvise`` exists) what the
 store writes leaves the page cache once it is durable or written back. A
 single ``put`` drops its object right after the fsync. A batch drops its
 chunks as it goes, all but the newest :data:`DROP_BEHIND_WINDOW` bytes
-(``POSIX_FADV_DONTNEED`` drops only clean pages), and every one again after
-its data sync, when all are clean. A save then holds about that window
-of page cache (plus what the device has not yet written back) instead of its
-whole size, evicts none of the training job's cached files (datasets), and
-recycles the same few pages from chunk to chunk instead of faulting in new
-ones. The hint never affects durability.
+(``POSIX_FADV_DONTNEED`` drops only clean pages), and every one again once
+the save is durable and visible, when all are clean. A save then holds about
+that window of page cache (plus the chunks its threads are still writing and
+what the device has not yet written back) instead of its whole size, evicts
+far less of the training job's cached files (datasets), and recycles the same
+few pages from chunk to chunk instead of faulting in new ones. The hint never
+affects durability.
 Reads stay cached: a delta save reads its keyframe's chunks once, then from
 memory.
 """
@@ -93,7 +94,7 @@ class LocalStore(Store):
         if direct_io is True and not hasattr(os, "O_DIRECT"):
             raise InvalidArgumentError(f"direct_io=True needs O_DIRECT, which {sys.platform} does not have; "
                                        "use direct_io='auto' or False")
-        if drop_behind not in (True, False, None):
+        if drop_behind is not None and not isinstance(drop_behind, bool):
             raise InvalidArgumentError(f"drop_behind must be true or false, got {drop_behind!r}")
         if drop_behind and not _CAN_DROP:
             raise InvalidArgumentError(f"drop_behind=True needs posix_fadvise, which {sys.platform} does not have; "
@@ -340,7 +341,7 @@ class LocalWriteBatch(WriteBatch):
     :meth:`finish`, which syncs the file system, links every temporary file to its final name (an existing
     object with that name wins: it holds the same bytes), removes the temporary files and syncs again.
     With the store's ``drop_behind``, chunks older than the newest :data:`DROP_BEHIND_WINDOW` bytes are
-    dropped from the page cache as the batch goes (their clean pages), and all of them after the first sync.
+    dropped from the page cache as the batch goes (their clean pages), and all of them after the second sync.
     """
 
     def __init__(self, store: LocalStore) -> None:
@@ -361,7 +362,7 @@ class LocalWriteBatch(WriteBatch):
         tmp = self.local.write_unsynced(parts, final)
         with self._lock:
             self._pending.append((tmp, final))
-        if self.local.drop_behind:
+        if self.local.drop_behind and not self.local.writes_direct():  # O_DIRECT cached at most a page: finish()
             self._drop_beyond_window(tmp, sum(memoryview(p).nbytes for p in parts))
         return True
 
@@ -386,11 +387,6 @@ class LocalWriteBatch(WriteBatch):
             return
         try:
             self._sync()  # the data of every temporary file
-            if self.local.drop_behind:
-                with self._lock:
-                    self._cached, self._cached_bytes = deque(), 0
-                for tmp, _final in pending:  # clean now, every page goes (also of those dropped while still dirty)
-                    _drop_cached(tmp)
             for tmp, final in pending:
                 self.local._ensure_dir(final.parent)
                 with _classified(str(final)):
@@ -399,6 +395,11 @@ class LocalWriteBatch(WriteBatch):
                     except FileExistsError:
                         pass  # a concurrent writer made it, with the same bytes (names are content hashes)
             self._sync()  # the new names
+            if self.local.drop_behind:  # once the save is visible: clean now, every page goes
+                with self._lock:
+                    self._cached, self._cached_bytes = deque(), 0
+                for tmp, _final in pending:  # also the pages of chunks dropped while still dirty
+                    _drop_cached(tmp)
         finally:
             for tmp, _final in pending:
                 _unlink_quietly(tmp)
