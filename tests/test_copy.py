@@ -20,7 +20,6 @@ from ckptvault.errors import StepExistsError, StepNotFoundError, StorageError
 from ckptvault.stores import LocalStore
 from ckptvault.stores.faults import FaultyStore
 from conftest import assert_same_state
-from helpers.page_cache import cached_pages, drops_observable
 
 pytest.register_assert_rewrite("conftest_s3")
 from conftest_s3 import Gateway  # noqa: E402
@@ -132,9 +131,13 @@ def cli(*args: object, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
 
 
 @pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="drop-behind needs posix_fadvise")
-def test_cp_passes_storage_options_to_each_vault(tmp_path: Path, states: dict[int, dict[str, Any]]) -> None:
+def test_cp_storage_options_reach_the_destination_and_bad_ones_fail(tmp_path: Path,
+                                                                    states: dict[int, dict[str, Any]]) -> None:
     """--dst-option reaches the destination's store: with drop_behind=false its chunks stay in the page cache,
-    by default they do not (tests/test_drop_behind.py). Bad options fail in one line, before anything is sent."""
+    by default they do not (tests/test_drop_behind.py). Bad options (--src-option or --dst-option) fail in one
+    line, before anything is created."""
+    from helpers.page_cache import cached_pages, drops_observable  # mincore through ctypes: Linux
+
     if not drops_observable(tmp_path):
         pytest.skip(f"the file system of {tmp_path} does not show page cache drops")
     src = tmp_path / "src"

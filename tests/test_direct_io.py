@@ -3,7 +3,8 @@
 With ``direct_io="auto"`` on ext4 and XFS a write batch writes each chunk's whole 4 KiB blocks with O_DIRECT,
 so a save leaves at most the last partial page of each chunk in the page cache. Checked on the real file
 system under ``tmp_path`` with mincore(2), and on tmpfs (``/dev/shm``), where "auto" stays buffered. The
-default is buffered writes (which the default drop-behind then drops: tests/test_drop_behind.py).
+default is buffered writes. Drop-behind is off here, so that only O_DIRECT keeps pages out of the cache
+(tests/test_drop_behind.py has both together).
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ def tmpfs_dir(tmp_path: Path) -> Path:
 
 
 def test_auto_writes_chunks_around_the_page_cache(block_fs_dir: Path) -> None:
-    direct = LocalStore(block_fs_dir / "direct", direct_io="auto")
+    direct = LocalStore(block_fs_dir / "direct", direct_io="auto", drop_behind=False)
     buffered = LocalStore(block_fs_dir / "buffered", drop_behind=False)
     blobs = blobs_of(SIZES)
     for store in (direct, buffered):
@@ -75,7 +76,7 @@ def test_auto_writes_chunks_around_the_page_cache(block_fs_dir: Path) -> None:
 
 
 def test_direct_chunks_leave_only_their_last_partial_page_cached(block_fs_dir: Path) -> None:
-    direct = LocalStore(block_fs_dir / "direct", direct_io="auto")
+    direct = LocalStore(block_fs_dir / "direct", direct_io="auto", drop_behind=False)
     buffered = LocalStore(block_fs_dir / "buffered", drop_behind=False)
     blobs = blobs_of(SIZES)
     for store in (direct, buffered):
@@ -169,7 +170,7 @@ def test_parts_across_the_aligned_buffer(block_fs_dir: Path, direct_io: bool) ->
         "chunks/c": [b"", piece(3), memoryview(piece(2 * DIRECT_PIECE + 9))[5:], b"", piece(DIRECT_ALIGN - 1)],
         "chunks/d": [piece(DIRECT_ALIGN - 1), piece(1)],  # two parts making exactly one block
     }
-    store = LocalStore(block_fs_dir / "v", direct_io=direct_io)
+    store = LocalStore(block_fs_dir / "v", direct_io=direct_io, drop_behind=False)  # only O_DIRECT keeps pages out
     store.root.mkdir()
     batch = store.write_batch()
     for key, parts in objects.items():
