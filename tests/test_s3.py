@@ -25,6 +25,7 @@ from ckptvault import CheckpointManager
 from ckptvault.errors import InvalidArgumentError, PermanentStorageError, RetryableStorageError, StepNotFoundError
 from ckptvault.stores import Store, open_store
 from ckptvault.stores.conformance import StoreConformance
+from ckptvault.stores.faults import FaultProxy
 from ckptvault.stores.s3 import S3Store
 from ckptvault.stores.s3_support import lifecycle_risks, parse_s3_url
 from conftest import assert_same_state
@@ -189,6 +190,20 @@ def test_unreachable_endpoint_is_retryable_and_bounded() -> None:
     with pytest.raises(RetryableStorageError, match="transient S3 failure on 'p/k'"):
         store.get("k")
     assert time.monotonic() - start < 10
+
+
+@pytest.mark.parametrize("call", ["get", "get_range", "put"])
+def test_a_failing_request_is_sent_max_attempts_times_not_more(call: str) -> None:
+    """botocore retries a request that fails; the store's own retry covers only a body cut off after botocore
+    returned (it used to retry the failed request too: max_attempts squared requests for a read)."""
+    with FaultProxy(("127.0.0.1", 9), reset=1.0) as proxy:  # every connection reset: nothing is forwarded
+        store = S3Store("s3://bucket/p", endpoint_url=proxy.endpoint, aws_access_key_id="a", aws_secret_access_key="b",
+                        region_name="us-east-1", check_lifecycle=False, max_attempts=3)
+        calls = {"get": lambda: store.get("k"), "get_range": lambda: store.get_range("k", 0, 10),
+                 "put": lambda: store.put("k", b"x")}
+        with pytest.raises(RetryableStorageError, match="transient S3 failure on 'p/k'"):
+            calls[call]()
+        assert proxy.counts["reset"] == 3, proxy.counts
 
 
 def test_bad_urls_and_options() -> None:

@@ -95,13 +95,15 @@ class S3Store(Store):
             raise classify(exc, what, self._where) from exc
 
     def _retrying(self, what: str, fn: Callable[[], T]) -> T:
-        """Run ``fn`` again, with exponential backoff and full jitter, when a body read was cut off or stalled."""
+        """Run ``fn`` again, with exponential backoff and full jitter, when a body read was cut off or stalled
+        (:class:`_BodyCut`). A request that failed is not: botocore has already retried it ``max_attempts``
+        times, and retrying it here too would multiply the attempts."""
         for attempt in range(self.options.max_attempts):
             try:
                 return fn()
-            except RetryableStorageError as exc:
+            except _BodyCut as exc:
                 cause = exc.__cause__
-                if cause is None or not is_transport_error(cause) or attempt + 1 >= self.options.max_attempts:
+                if attempt + 1 >= self.options.max_attempts:
                     raise
                 delay = random.uniform(0, min(20.0, 0.1 * 2 ** attempt))
                 log.debug("retrying %s in %.2f s after %s", what, delay, cause)
@@ -142,7 +144,6 @@ class S3Store(Store):
         extra = {"IfMatch": etag} if etag else {}
         try:
             resp = self.client.get_object(Bucket=self.bucket, Key=full, Range=f"bytes={start}-{start + length - 1}", **extra)
-            data = resp["Body"].read()
         except Exception as exc:  # noqa: BLE001 - classified below
             code = error_code(exc)
             if code == "InvalidRange":  # start at or past the end (an empty object has no byte 0)
@@ -150,9 +151,15 @@ class S3Store(Store):
             if code == "PreconditionFailed" and etag:
                 raise _ObjectChanged(full) from exc
             raise classify(exc, full, self._where) from exc
+        try:
+            data = resp["Body"].read()  # streamed after botocore returned: its retries do not cover this
+        except Exception as exc:  # noqa: BLE001 - classified below
+            if is_transport_error(exc):
+                raise _BodyCut(str(classify(exc, full, self._where))) from exc
+            raise classify(exc, full, self._where) from exc
         total = int(str(resp.get("ContentRange", "")).rpartition("/")[2] or len(data))
         if len(data) != min(length, max(0, total - start)):
-            raise RetryableStorageError(f"short read of {full!r} in {self._where}: {len(data)} bytes") from (
+            raise _BodyCut(f"short read of {full!r} in {self._where}: {len(data)} bytes") from (
                 ConnectionError("truncated body"))
         return data, total, resp.get("ETag", "")
 
@@ -327,6 +334,11 @@ class S3Store(Store):
 
 class _ObjectChanged(Exception):
     """The object was replaced between two ranged reads of one get()."""
+
+
+class _BodyCut(RetryableStorageError):
+    """A GET's body was cut off or stalled after botocore returned the response (which botocore does not retry):
+    :meth:`S3Store._retrying` sends the request again."""
 
 
 def _as_bytes(data: bytes | memoryview) -> bytes:

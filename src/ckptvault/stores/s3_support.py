@@ -138,8 +138,9 @@ def is_transport_error(exc: BaseException) -> bool:
     from botocore import exceptions as be
     from urllib3 import exceptions as ue
 
-    transport = (be.ConnectionError, be.ReadTimeoutError, be.ConnectTimeoutError, be.IncompleteReadError,
-                 be.ResponseStreamingError, ue.ProtocolError, ue.ReadTimeoutError, ConnectionError, TimeoutError)
+    transport = (be.ConnectionError, be.ConnectionClosedError, be.ReadTimeoutError, be.ConnectTimeoutError,
+                 be.IncompleteReadError, be.ResponseStreamingError, ue.ProtocolError, ue.ReadTimeoutError, ConnectionError,
+                 TimeoutError)
     return isinstance(exc, transport)
 
 
