@@ -39,7 +39,7 @@ from torch import nn
 
 import ckptvault
 from ckptvault import CheckpointInfo, CheckpointManager
-from ckptvault.errors import InvalidArgumentError, StepExistsError, StorageFullError
+from ckptvault.errors import InvalidArgumentError, SaveError, StepExistsError, StorageFullError
 from conftest import assert_same_state
 from helpers.async_stores import GatedStore, QuotaStore
 
@@ -460,6 +460,28 @@ def test_on_busy_must_be_wait_or_skip(tmp_path: Path) -> None:
 
 
 # -- errors of background saves --------------------------------------------------------------------------
+class BrokenStore(QuotaStore):
+    """A store whose chunk writes fail with an exception that is not one of ckptvault's (a third-party backend's
+    own error, say)."""
+
+    def put_if_absent(self, key: str, data: bytes | memoryview) -> bool:
+        if key.startswith("chunks/"):
+            raise RuntimeError("controller on fire")
+        return super().put_if_absent(key, data)
+
+
+@pytest.mark.parametrize("async_save", [True, False])
+def test_an_unexpected_error_reaches_the_caller_as_a_save_error(tmp_path: Path, async_save: bool) -> None:
+    store = BrokenStore(tmp_path / "vault", quota=None)
+    mgr = manager(store, async_save=async_save)
+    with pytest.raises(SaveError, match=r"^the save of step 2 failed, nothing committed: RuntimeError: controller on fire$") \
+            as caught:
+        mgr.save(2, frozen(Training().state(2))).wait()
+    assert isinstance(caught.value.__cause__, RuntimeError)
+    mgr.close()  # reported once: closing does not raise it again
+    assert CheckpointManager(tmp_path / "vault").steps() == []
+
+
 def full_vault(tmp_path: Path) -> tuple[QuotaStore, dict[str, Any]]:
     """A vault with step 1 committed whose chunk quota is now spent; and the state of step 1."""
     store = QuotaStore(tmp_path / "vault", quota=None)

@@ -10,7 +10,9 @@ asynchronous saves) holds the high half of the latest keyframe's bytes on top.
 
 Errors of a background save are set on its handle and also kept until the
 next ``submit``, ``wait`` or ``close``, which raise them: a failure is never
-lost, and a failed save never commits.
+lost, and a failed save never commits. They are ckptvault's typed errors: an
+exception that is not one (a third-party store's, a codec bug, MemoryError)
+arrives as a ``SaveError`` naming it, with the original as its ``__cause__``.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .delta import DeltaPolicy, KeyframeCache, delta_context
-from .errors import InvalidArgumentError
+from .errors import InvalidArgumentError, SaveError, VaultError
 from .handle import SaveHandle
 from .info import info_from_manifest
 from .lossy import SafetyPolicy
@@ -129,9 +131,10 @@ class Saver:
             commit(self.vault, request.step, manifest, request.overwrite, delta.guard)
             if self._keyframe_cache is not None:
                 self._keyframe_cache.commit(request.step)
-        except BaseException as exc:  # noqa: BLE001 - handed to the caller, not swallowed
+        except BaseException as caught:  # noqa: BLE001 - handed to the caller, not swallowed
             if self._keyframe_cache is not None:
                 self._keyframe_cache.abort()
+            exc = _typed(caught, request.step)
             log.error("save of step %d failed, nothing committed: %s", request.step, exc)
             with self._lock:
                 self._error, self._error_handle = exc, handle
@@ -180,6 +183,17 @@ class Saver:
                 self._executor.shutdown(wait=True)
                 self._executor = None
             _LIVE.discard(self)
+
+
+def _typed(exc: BaseException, step: int) -> BaseException:
+    """``exc`` if it is one of ckptvault's errors (or not an Exception: KeyboardInterrupt, SystemExit), else a
+    :class:`SaveError` naming it, with ``exc`` as its cause: an unexpected failure (a store's own exception, a
+    codec bug, MemoryError) still reaches the caller as a typed error."""
+    if isinstance(exc, VaultError) or not isinstance(exc, Exception):
+        return exc
+    wrapped = SaveError(f"the save of step {step} failed, nothing committed: {type(exc).__name__}: {exc}")
+    wrapped.__cause__ = exc
+    return wrapped
 
 
 _LIVE: weakref.WeakSet[Saver] = weakref.WeakSet()
