@@ -53,12 +53,13 @@ class StagingBuffer:
     def copy_in(self, values: list[tuple[str, Any]], sizes: list[int]) -> list[memoryview]:
         """Copy every (kind, value) into the buffer; return a byte view per value.
 
-        Device tensors are copied with non-blocking copies and one
-        synchronisation at the end.
+        CUDA tensors are copied with non-blocking copies and one
+        synchronisation at the end per GPU they live on (not only the current
+        one); tensors on other devices (mps, xpu, ...) with blocking copies.
         """
         offsets, total = aligned_offsets(sizes)
         buffer = self.acquire(total)
-        on_device = False
+        gpus: set[torch.device] = set()
         views = []
         for (kind, value), offset, size in zip(values, offsets, sizes, strict=True):
             region = buffer[offset : offset + size]
@@ -67,13 +68,15 @@ class StagingBuffer:
                 region.copy_(torch.from_numpy(np.frombuffer(tensor_bytes(value.detach()), dtype=np.uint8)))
             elif size and kind == "torch":
                 target = region.view(value.dtype).view(value.shape)
-                target.copy_(value.detach(), non_blocking=value.device.type != "cpu")
-                on_device = on_device or value.device.type == "cuda"
+                cuda = value.device.type == "cuda"
+                target.copy_(value.detach(), non_blocking=cuda)
+                if cuda:
+                    gpus.add(value.device)
             elif size:
                 np.copyto(region.numpy(), np.frombuffer(ndarray_bytes(value), dtype=np.uint8))
             views.append(memoryview(region.numpy()) if size else memoryview(b""))
-        if on_device:
-            torch.cuda.synchronize()
+        for gpu in gpus:
+            torch.cuda.synchronize(gpu)
         return views
 
 
