@@ -109,6 +109,20 @@ def test_ls_prints_one_row_per_step(built_vault: Path) -> None:
     assert proc.stderr == ""
 
 
+def test_storage_option_before_the_command_reaches_the_vault(built_vault: Path, tmp_path: Path) -> None:
+    ok = cli("--storage-option", "drop_behind=false", "--storage-option", "direct_io=false", "ls", built_vault)
+    assert ok.returncode == 0 and ok.stdout.splitlines()[0].split()[0] == "STEP", ok.stderr
+    assert_error(cli("--storage-option", "bogus=1", "ls", built_vault), 2,
+                 "unknown storage_options for local vaults: ['bogus']")
+    assert_error(cli("--storage-option", "drop_behind=sometimes", "verify", built_vault), 2,
+                 "drop_behind must be true or false, got 'sometimes'")
+    malformed = cli("--storage-option", "drop_behind", "ls", built_vault)
+    assert malformed.returncode == 2 and "'drop_behind' is not KEY=VALUE" in malformed.stderr
+    two_vaults = cli("--storage-option", "drop_behind=false", "cp", built_vault, tmp_path / "copy")
+    assert two_vaults.returncode == 2 and "give their options with --src-option and --dst-option" in two_vaults.stderr
+    assert not (tmp_path / "copy").exists()
+
+
 def test_ls_json_matches_library_info(built_vault: Path) -> None:
     proc = cli("ls", built_vault, "--json")
     assert proc.returncode == 0, proc.stderr

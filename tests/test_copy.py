@@ -195,6 +195,18 @@ def test_cp_local_to_s3_then_cli_commands_on_the_s3_vault(tmp_path: Path, states
         assert_same_state(states[20], mgr.restore(20))
 
 
+def test_cli_storage_option_gives_the_s3_endpoint(rgw: Gateway, s3_url: str) -> None:
+    """With no endpoint in the environment, ``--storage-option endpoint_url=...`` before the command finds the
+    gateway (without it the command would go to AWS)."""
+    with CheckpointManager(s3_url, storage_options=rgw.options()) as mgr:
+        mgr.save(1, {"w": torch.arange(1000, dtype=torch.float32)}).wait()
+    env = {k: v for k, v in rgw.env().items() if k not in ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3")}
+    done = cli("--storage-option", f"endpoint_url={rgw.endpoint}", "--storage-option", "addressing_style=path",
+               "ls", s3_url, "--json", env=env)
+    assert done.returncode == 0, done.stderr
+    assert [c["step"] for c in json.loads(done.stdout)["checkpoints"]] == [1]
+
+
 def test_cli_on_s3_reports_bad_credentials_in_one_line(rgw: Gateway, s3_url: str) -> None:
     env = {**rgw.env(), "AWS_SECRET_ACCESS_KEY": "wrong"}
     done = cli("ls", s3_url, env=env)

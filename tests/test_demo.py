@@ -172,6 +172,15 @@ def test_demo_rejects_bad_options(args: list[str], message: str) -> None:
     assert message in result.output
 
 
+def test_demo_takes_the_groups_storage_options_under_its_own(tmp_path: Path) -> None:
+    """``ckptvault --storage-option K=V demo`` reaches the demo's vault; the demo's own --storage-option wins."""
+    bad = CliRunner().invoke(main, ["--storage-option", "bogus=1", "demo", "--steps", "1", "--vault", str(tmp_path / "a")])
+    assert bad.exit_code == 2 and "unknown storage_options for local vaults: ['bogus']" in bad.output, bad.output
+    both = CliRunner().invoke(main, ["--storage-option", "drop_behind=1", "demo", "--steps", "1", "--vault",
+                                     str(tmp_path / "b"), "--storage-option", "drop_behind=false", *TINY])
+    assert both.exit_code == 0, both.output
+
+
 def test_fresh_refuses_to_delete_a_folder_that_is_not_a_vault(tmp_path: Path) -> None:
     (tmp_path / "precious.txt").write_text("keep me")
     result = CliRunner().invoke(main, ["demo", "--steps", "1", "--fresh", "--vault", str(tmp_path)])

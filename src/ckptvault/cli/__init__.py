@@ -10,7 +10,7 @@ from __future__ import annotations
 import click
 
 from .. import __version__
-from .common import VaultGroup, configure_logging
+from .common import VaultGroup, configure_logging, parse_options
 from .copy import cp
 from .demo import demo
 from .diff import diff
@@ -54,8 +54,13 @@ Exit status:
 @click.group(cls=VaultGroup, help=HELP, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(__version__, "-V", "--version", prog_name="ckptvault", message="%(prog)s %(version)s")
 @click.option("-v", "--verbose", count=True, help="Log what ckptvault does on stderr (-vv for debug detail).")
-def main(verbose: int) -> None:
+@click.option("--storage-option", "storage_options", multiple=True, metavar="KEY=VALUE",
+              help="A storage option for the vault the command opens (s3://: endpoint_url, addressing_style, profile, "
+                   "region_name, ...; a path: drop_behind, direct_io); repeatable. cp takes --src-option/--dst-option.")
+@click.pass_context
+def main(ctx: click.Context, verbose: int, storage_options: tuple[str, ...]) -> None:
     configure_logging(verbose)
+    ctx.obj = {"storage_options": parse_options(storage_options, "--storage-option")}
 
 
 main.add_command(ls)

@@ -100,14 +100,40 @@ def _silence_stdout() -> None:
         pass
 
 
+def parse_options(values: tuple[str, ...], flag: str) -> dict[str, Any] | None:
+    """``("endpoint_url=http://h:9000", "max_concurrency=16")`` -> dict; values are JSON when they parse as JSON."""
+    if not values:
+        return None
+    out: dict[str, Any] = {}
+    for value in values:
+        key, sep, raw = value.partition("=")
+        if not sep or not key:
+            raise click.BadParameter(f"{value!r} is not KEY=VALUE", param_hint=flag)
+        try:
+            out[key] = json.loads(raw)
+        except ValueError:
+            out[key] = raw
+    return out
+
+
+def group_storage_options() -> dict[str, Any] | None:
+    """The ``--storage-option`` values given before the command (``ckptvault --storage-option K=V ls URL``)."""
+    ctx = click.get_current_context(silent=True)
+    return None if ctx is None else (ctx.find_root().obj or {}).get("storage_options")
+
+
 @contextmanager
 def open_manager(url: str, *, must_exist: bool = True, **kwargs: Any) -> Iterator[CheckpointManager]:
     """A CheckpointManager for ``url``, closed on exit.
 
     With ``must_exist`` (the default) a URL without a vault raises
     VaultNotFoundError, which the group reports with exit code 2. ``kwargs``
-    go to CheckpointManager (``codec``, ``workers``, ...).
+    go to CheckpointManager (``codec``, ``workers``, ...); the group's
+    ``--storage-option`` values become its ``storage_options``.
     """
+    options = group_storage_options()
+    if options is not None and "storage_options" not in kwargs:
+        kwargs["storage_options"] = options
     with CheckpointManager(url, **kwargs) as mgr:
         if must_exist:
             mgr.vault.require()

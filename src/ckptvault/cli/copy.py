@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import json
-from typing import Any
-
 import click
 
 from ..copy import CopyPlan, CopyResult, execute_copy, plan_copy
 from ..errors import InvalidArgumentError
 from ..vault import Vault
-from .common import emit_json, json_option, progress_bar, progress_option
+from .common import emit_json, group_storage_options, json_option, parse_options, progress_bar, progress_option
 from .render import human_bytes
 
 
@@ -41,22 +38,6 @@ def select_steps(spec: tuple[list[int], list[tuple[int, int]]], committed: list[
     chosen = set(singles)
     chosen.update(s for s in committed for low, high in ranges if low <= s <= high)
     return sorted(chosen)
-
-
-def parse_options(values: tuple[str, ...], flag: str) -> dict[str, Any] | None:
-    """``("endpoint_url=http://h:9000", "max_concurrency=16")`` -> dict; values are JSON when they parse as JSON."""
-    if not values:
-        return None
-    out: dict[str, Any] = {}
-    for value in values:
-        key, sep, raw = value.partition("=")
-        if not sep or not key:
-            raise click.BadParameter(f"{value!r} is not KEY=VALUE", param_hint=flag)
-        try:
-            out[key] = json.loads(raw)
-        except ValueError:
-            out[key] = raw
-    return out
 
 
 @click.command("cp", short_help="Copy checkpoints to another vault, sending only missing chunks.")
@@ -93,6 +74,9 @@ def cp(src: str, dst: str, steps: tuple[str, ...], overwrite: bool, verify: bool
     JSON: {"src", "dst", "dry_run", "steps", "skipped", "chunks_to_send", "bytes_to_send",
     "chunks_reused", "copied", "chunks_sent", "bytes_sent", "verified"}
     """
+    if group_storage_options():
+        raise click.UsageError("cp opens two vaults: give their options with --src-option and --dst-option, not "
+                               "--storage-option before the command")
     spec = parse_steps(steps)
     source = Vault(src, parse_options(src_options, "--src-option"))
     dest = Vault(dst, parse_options(dst_options, "--dst-option"))

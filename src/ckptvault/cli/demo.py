@@ -9,8 +9,7 @@ from contextlib import contextmanager
 import click
 
 from ..demo.run import DemoOptions, DemoReport, OnStep, run_demo
-from .common import EXIT_DAMAGED, emit_json, json_option, progress_enabled, progress_option
-from .copy import parse_options
+from .common import EXIT_DAMAGED, emit_json, group_storage_options, json_option, parse_options, progress_enabled, progress_option
 from .render import human_bytes, table
 
 
@@ -56,7 +55,7 @@ def demo(vault: str, storage_options: tuple[str, ...], codec_rules: str | None, 
     """
     opts = DemoOptions(vault=vault, minutes=minutes, steps=steps, every=every, codec=codec, resume=resume,
                        fresh=fresh, batch_size=batch_size, seed=seed, repeat=repeat,
-                       storage_options=parse_options(storage_options, "--storage-option"), codec_rules=codec_rules,
+                       storage_options=_demo_storage_options(storage_options), codec_rules=codec_rules,
                        keep_last=keep_last)
     with _training_bar(progress) as on_step:
         report = run_demo(opts, on_step)
@@ -139,3 +138,8 @@ def _span(steps: list[int]) -> str:
 def _plural(n: int, noun: str) -> str:
     return f"{n} {noun}{'s' if n != 1 else ''}"
 
+
+def _demo_storage_options(values: tuple[str, ...]) -> dict | None:
+    """The group's ``--storage-option`` values, overridden by the demo's own."""
+    merged = {**(group_storage_options() or {}), **(parse_options(values, "--storage-option") or {})}
+    return merged or None
