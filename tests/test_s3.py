@@ -192,6 +192,25 @@ def test_unreachable_endpoint_is_retryable_and_bounded() -> None:
     assert time.monotonic() - start < 10
 
 
+def test_access_denied_fails_at_once_and_names_the_permissions(rgw: Gateway, s3_url: str) -> None:
+    """A second user of the gateway, with no grant on the tests' bucket: every operation is a 403."""
+    if rgw.state_dir is None:
+        pytest.skip("needs the local gateway, to add a user")
+    uid, access, secret = f"ckv-other-{uuid.uuid4().hex[:8]}", f"CKV{uuid.uuid4().hex[:17].upper()}", uuid.uuid4().hex
+    subprocess.run(["radosgw-admin", "-c", f"{rgw.state_dir}/ceph.conf", "-n", "client.rgw.a", "user", "create",
+                    f"--uid={uid}", "--display-name=no grants", f"--access-key={access}", f"--secret={secret}"],
+                   check=True, capture_output=True, timeout=60)
+    bucket, prefix = parse_s3_url(s3_url)
+    store = S3Store(f"s3://{bucket}/{prefix}", endpoint_url=rgw.endpoint, aws_access_key_id=access,
+                    aws_secret_access_key=secret, region_name="us-east-1", check_lifecycle=False)
+    for call in (lambda: store.put("k", b"x"), lambda: store.get("k"), lambda: list(store.list())):
+        start = time.monotonic()
+        with pytest.raises(PermanentStorageError, match=r"access denied \(AccessDenied\) to .* in s3://.*: check that "
+                                                        r"the credentials' policy allows s3:GetObject, s3:PutObject"):
+            call()
+        assert time.monotonic() - start < 5  # not retried
+
+
 @pytest.mark.parametrize("call", ["get", "get_range", "put"])
 def test_a_failing_request_is_sent_max_attempts_times_not_more(call: str) -> None:
     """botocore retries a request that fails; the store's own retry covers only a body cut off after botocore
