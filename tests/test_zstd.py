@@ -1,0 +1,90 @@
+"""The vault's zstd stage: level 1 accelerated with Huffman-coded literals (codecs/zstd.py), ordinary frames."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import zstandard
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import ckptvault.codecs.zstd as zstd_module
+from ckptvault.codecs.zstd import LEVEL1_ACCELERATION, LEVEL1_HASH_LOG, Zstd
+
+
+def _skewed_noise(n: int, seed: int = 0) -> bytes:
+    """Bytes with no repeats worth a match but a skewed distribution (like an XORed high mantissa plane):
+    only entropy coding of literals shrinks them."""
+    return np.random.default_rng(seed).geometric(0.3, n).clip(0, 255).astype(np.uint8).tobytes()
+
+
+def test_level_1_is_accelerated_where_the_package_is_installed_as_declared() -> None:
+    # pyproject.toml asks for zstandard[cffi]: a test environment without it would measure the slower compressor
+    assert zstd_module.ACCELERATED, "zstandard's CFFI backend is missing: pip install 'zstandard[cffi]'"
+    assert type(zstd_module._compressor(1)).__name__ == "_AcceleratedLevel1"
+    assert isinstance(zstd_module._compressor(3), zstandard.ZstdCompressor)
+
+
+def test_accelerated_level_1_still_entropy_codes_literals() -> None:
+    """zstd's plain acceleration (what negative levels do) stores literals raw; the vault's keeps Huffman coding."""
+    data = _skewed_noise(1 << 20)
+    plain_acceleration = zstandard.ZstdCompressor(compression_params=zstandard.ZstdCompressionParameters.from_level(
+        1, hash_log=LEVEL1_HASH_LOG, target_length=LEVEL1_ACCELERATION))
+    assert len(plain_acceleration.compress(data)) > 0.95 * len(data)
+    stored = Zstd(1).encode(memoryview(data))
+    assert len(stored) < 0.6 * len(data)
+    assert zstandard.ZstdDecompressor().decompress(stored) == data
+
+
+def test_accelerated_level_1_searches_less_than_the_unaccelerated_one() -> None:
+    """Acceleration is on: it skips ahead where it finds no match, so it misses repeats that level 1 finds."""
+    rng = np.random.default_rng(1)
+    pieces = [rng.integers(0, 256, int(rng.integers(200, 2000)), dtype=np.uint8).tobytes() for _ in range(64)]
+    data = b"".join(pieces[i % 16] if i % 2 else pieces[i] for i in range(64))  # repeats far apart, noise between
+    unaccelerated = zstandard.ZstdCompressor(compression_params=zstandard.ZstdCompressionParameters.from_level(
+        1, hash_log=LEVEL1_HASH_LOG, write_content_size=1))
+    assert len(Zstd(1).encode(memoryview(data))) > len(unaccelerated.compress(data))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.binary(max_size=1 << 16) | st.builds(_skewed_noise, st.integers(0, 1 << 17), st.integers(0, 9)))
+def test_frames_are_ordinary_zstd_frames_that_round_trip(data: bytes) -> None:
+    stored = Zstd(1).encode(memoryview(data))
+    assert zstandard.get_frame_parameters(stored).content_size == len(data)  # decoders size their output from it
+    assert zstandard.ZstdDecompressor().decompress(stored) == data
+    assert bytes(Zstd(1).decode(memoryview(stored), len(data))) == data
+
+
+def test_each_thread_compresses_with_its_own_context() -> None:
+    inputs = [_skewed_noise(300_000 + 1000 * i, seed=i) + bytes(5000 * i) for i in range(8)]
+    results: dict[int, list[bytes]] = {}
+
+    def work(i: int) -> None:
+        results[i] = [Zstd(1).encode(memoryview(inputs[(i + k) % 8])) for k in range(8)]
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for i, frames in results.items():
+        for k, frame in enumerate(frames):
+            assert zstandard.ZstdDecompressor().decompress(frame) == inputs[(i + k) % 8]
+
+
+def test_a_larger_input_after_a_smaller_one_grows_the_reused_buffer() -> None:
+    small, large = _skewed_noise(1000), bytes(range(256)) * 40_000 + _skewed_noise(3 << 20, seed=5)
+    codec = Zstd(1)
+    for data in (small, large, small):
+        assert zstandard.ZstdDecompressor().decompress(codec.encode(memoryview(data))) == data
+
+
+def test_without_cffi_level_1_falls_back_to_the_plain_compressor(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(zstd_module, "ACCELERATED", False)
+    monkeypatch.setattr(zstd_module, "_local", threading.local())  # no context cached by earlier tests
+    data = _skewed_noise(1 << 18)
+    assert isinstance(zstd_module._compressor(1), zstandard.ZstdCompressor)
+    stored = Zstd(1).encode(memoryview(data))
+    assert zstandard.ZstdDecompressor().decompress(stored) == data
