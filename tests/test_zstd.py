@@ -11,7 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import ckptvault.codecs.zstd as zstd_module
-from ckptvault.codecs.zstd import LEVEL1_ACCELERATION, LEVEL1_HASH_LOG, Zstd
+from ckptvault.codecs.planes import BytePlanes, plane_table, split_planes
+from ckptvault.codecs.zstd import LEVEL1_ACCELERATION, LEVEL1_HASH_LOG, SPARSE_BELOW, Zstd
 
 
 def _skewed_noise(n: int, seed: int = 0) -> bytes:
@@ -46,6 +47,39 @@ def test_accelerated_level_1_searches_less_than_the_unaccelerated_one() -> None:
     unaccelerated = zstandard.ZstdCompressor(compression_params=zstandard.ZstdCompressionParameters.from_level(
         1, hash_log=LEVEL1_HASH_LOG, write_content_size=1))
     assert len(Zstd(1).encode(memoryview(data))) > len(unaccelerated.compress(data))
+
+
+def _unaccelerated(data: bytes) -> bytes:
+    params = zstandard.ZstdCompressionParameters.from_level(1, hash_log=LEVEL1_HASH_LOG, write_content_size=1)
+    return zstandard.ZstdCompressor(compression_params=params).compress(data)
+
+
+def test_data_sampled_as_sparse_is_compressed_without_acceleration() -> None:
+    data = _skewed_noise(1 << 18)
+    codec = Zstd(1)
+    assert codec.encode_sampled(memoryview(data), SPARSE_BELOW / 2) == _unaccelerated(data)
+    assert codec.encode_sampled(memoryview(data), SPARSE_BELOW) == codec.encode(memoryview(data)) != _unaccelerated(data)
+    assert codec.encode_sampled(memoryview(data), None) == codec.encode(memoryview(data))
+
+
+def test_byte_planes_compress_a_sparse_plane_without_acceleration_and_a_dense_one_with_it() -> None:
+    """Floats whose sign-and-exponent plane is one value with rare exceptions (sparse, like an XOR delta's) and
+    whose second plane is skewed noise: each plane is compressed as its sample says."""
+    rng = np.random.default_rng(3)
+    words = (rng.geometric(0.3, 1 << 20).clip(0, 255).astype(np.uint32) << 16) | rng.integers(0, 1 << 16, 1 << 20,
+                                                                                              dtype=np.uint32)
+    words[rng.integers(0, words.size, 2000)] |= np.uint32(0x3F000000)
+    data = memoryview(words.view(np.uint8))
+    stage = BytePlanes(4, Zstd(1))
+    payload = memoryview(stage.encode(data))
+    entries, _tail = plane_table(payload, 4)
+    planes, _ = split_planes(data, 4)
+    sparse, dense = bytes(planes[3]), bytes(planes[2])
+    assert stage.sample_ratio(memoryview(planes[3])) < SPARSE_BELOW <= stage.sample_ratio(memoryview(planes[2]))
+    stored = [bytes(payload[e.offset : e.offset + e.length]) for e in entries]
+    assert entries[3].compressed and stored[3] == _unaccelerated(sparse)
+    assert entries[2].compressed and stored[2] == Zstd(1).encode(memoryview(dense)) != _unaccelerated(dense)
+    assert bytes(stage.decode(payload, len(data))) == bytes(data)
 
 
 @settings(max_examples=200, deadline=None)

@@ -33,6 +33,11 @@ class BytesStage(abc.ABC):
     def encode(self, data: memoryview) -> bytes | memoryview:
         """Transform ``data``; must not modify it."""
 
+    def encode_sampled(self, data: memoryview, sample_ratio: float | None) -> bytes | memoryview:
+        """:meth:`encode`, told how well a sample of ``data`` compressed with this stage (compressed / raw; None:
+        not sampled), for a stage that searches differently on sparse data. The output decodes the same way."""
+        return self.encode(data)
+
     @abc.abstractmethod
     def decode(self, data: memoryview, out_size: int) -> bytes | memoryview:
         """Invert :meth:`encode`; ``out_size`` is the length of the decoded bytes."""

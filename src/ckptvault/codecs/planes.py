@@ -173,9 +173,11 @@ class BytePlanes(BytesStage):
 
     def compress_if_pays(self, plane: memoryview, ratio: float | None = None) -> bytes | memoryview | None:
         """The plane compressed, or None if compressing it does not pay. ``ratio``: its sample ratio, if known."""
-        if len(plane) > 4 * SAMPLE and (self.sample_ratio(plane) if ratio is None else ratio) >= KEEP_BELOW:
+        if ratio is None and len(plane) > 4 * SAMPLE:
+            ratio = self.sample_ratio(plane)
+        if ratio is not None and ratio >= KEEP_BELOW:
             return None
-        packed = self.inner.encode(plane) if len(plane) else b""
+        packed = self.inner.encode_sampled(plane, ratio) if len(plane) else b""
         return packed if len(packed) < KEEP_BELOW * len(plane) else None
 
     def decode_planes(self, data: memoryview, out_size: int) -> tuple[list[np.ndarray], list[PlaneEntry], memoryview]:

@@ -10,10 +10,15 @@ search changes, and any zstd decoder reads them.
   Huffman-coded: the search skips ahead faster where it finds no match, and the literals it leaves cost the same
   to code. zstd turns literal coding off with acceleration unless told otherwise, and only its advanced API can
   tell it, which the ``zstandard`` package reaches through its CFFI backend (the ``zstandard[cffi]`` extra). On
-  W1's planes (``bench/plane_zstd.py``): the XORed high mantissa plane of a delta one step apart 2.2 -> 1.35 ns/B
-  and 0.481 -> 0.469 of its size; a keyframe's sign-and-exponent plane 1.5 -> 1.0 ns/B at the same size; the XORed
-  sign-and-exponent plane 1.0 -> 0.74 ns/B, 0.060 -> 0.067 of its size. Without ``cffi`` the level falls back to
-  the plain fast strategy with the same match table (:data:`ACCELERATED`).
+  W1's planes (``bench/plane_zstd.py``, one thread, ns per byte and stored fraction, before -> after): the weights'
+  high mantissa byte XORed with the keyframe's one step earlier 3.70 -> 1.35 ns/B, 0.337 -> 0.315; exp_avg_sq's
+  2.49 -> 1.36 on its sign-and-exponent byte at 0.307 either way; fp16's top byte of exp_avg 2.93 -> 1.57,
+  0.288 -> 0.279; the weights' sign-and-exponent byte 1.20 -> 1.01 at 0.339. Runs of zeros find fewer matches:
+  the weights' sign-and-exponent byte XORed one step apart grows from 0.013 to 0.029 of its size, and a delta of
+  a fine-tuning run (W2) from 0.3528 to 0.3552 of torch.save. So a plane whose sample compressed to under
+  ``SPARSE_BELOW`` of its size (:meth:`Zstd.encode_sampled`) is compressed without acceleration, where the
+  search is fast anyway. Without ``cffi`` level 1 falls back to the plain fast strategy with the same match table
+  (:data:`ACCELERATED`).
 """
 
 from __future__ import annotations
@@ -34,6 +39,9 @@ _local = threading.local()
 LEVEL1_HASH_LOG = 7
 #: the fast strategy's acceleration at level 1 where the literals can stay Huffman-coded
 LEVEL1_ACCELERATION = 32
+#: data whose sample compressed below this fraction is mostly runs (a sparse XOR plane): level 1 compresses it
+#: without acceleration, which finds those runs (smaller output, and it decodes faster)
+SPARSE_BELOW = 0.1
 
 
 def _cffi_lib() -> Any:
@@ -87,17 +95,20 @@ class _AcceleratedLevel1:
         return self._ffi.buffer(self._out, size)[:]
 
 
-def _compressor(level: int) -> Any:
-    """This thread's compressor for ``level`` (an object with ``compress(data) -> bytes``)."""
+def _compressor(level: int, sparse: bool = False) -> Any:
+    """This thread's compressor for ``level`` (an object with ``compress(data) -> bytes``); ``sparse``: for data
+    that is mostly runs, which level 1 compresses without acceleration."""
+    accelerated = level == 1 and ACCELERATED and not sparse
     cache = _local.__dict__.setdefault("compressors", {})
-    if level not in cache:
-        if level == 1 and ACCELERATED:
-            cache[level] = _AcceleratedLevel1()
+    key = (level, accelerated)
+    if key not in cache:
+        if accelerated:
+            cache[key] = _AcceleratedLevel1()
         else:
             tuned = {"hash_log": LEVEL1_HASH_LOG} if level == 1 else {}
             params = zstandard.ZstdCompressionParameters.from_level(level, write_content_size=1, **tuned)
-            cache[level] = zstandard.ZstdCompressor(compression_params=params)
-    return cache[level]
+            cache[key] = zstandard.ZstdCompressor(compression_params=params)
+    return cache[key]
 
 
 def _decompressor() -> zstandard.ZstdDecompressor:
@@ -114,6 +125,10 @@ class Zstd(BytesStage):
 
     def encode(self, data: memoryview) -> bytes:
         return _compressor(self.level).compress(data)
+
+    def encode_sampled(self, data: memoryview, sample_ratio: float | None) -> bytes:
+        """:meth:`encode`; data whose sample compressed below ``SPARSE_BELOW`` is compressed without acceleration."""
+        return _compressor(self.level, sparse=sample_ratio is not None and sample_ratio < SPARSE_BELOW).compress(data)
 
     def decode(self, data: memoryview, out_size: int) -> bytes:
         return _decompressor().decompress(data, max_output_size=out_size)
