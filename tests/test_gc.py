@@ -14,7 +14,7 @@ from click.testing import CliRunner
 
 from ckptvault import CheckpointManager
 from ckptvault.cli import main
-from ckptvault.errors import InvalidArgumentError, MaintenanceRefusedError, StepNotFoundError
+from ckptvault.errors import InvalidArgumentError, MaintenanceRefusedError, SaveError, StepNotFoundError
 from ckptvault.format.chunk_object import ChunkHeader, chunk_id, chunk_key, encode_object, parse_object
 from ckptvault.format.manifest import decode_manifest, encode_manifest, manifest_key
 from ckptvault.gc import execute_gc, plan_gc
@@ -339,6 +339,29 @@ def test_failed_retention_does_not_fail_the_save(tmp_path: Path, caplog: pytest.
             info = mgr.save(2, state_for(2)).wait()
         assert info.step == 2 and mgr.steps() == [1, 2]
         assert "retention after step 2 was not applied: refusing" in caplog.text
+
+
+@pytest.mark.parametrize("async_save", [True, False])
+def test_an_unexpected_failure_of_retention_is_reported_typed_after_the_commit(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, async_save: bool) -> None:
+    """A bug in retention (not a VaultError, which is only logged) reaches the caller on the next save, wait or
+    close as a SaveError that says the checkpoint itself was committed; the checkpoint is kept."""
+    import ckptvault.manager
+
+    def broken(vault: object, retention: object, step: int) -> None:
+        raise RuntimeError("retention bug")
+
+    monkeypatch.setattr(ckptvault.manager, "apply_retention", broken)
+    root = tmp_path / "v"
+    with CheckpointManager(root, chunk_size=CHUNK, retention=KeepLast(1), async_save=async_save) as mgr:
+        with pytest.raises(SaveError, match=r"^step 1 was committed, but the retention that runs after it failed: "
+                                            r"RuntimeError: retention bug$") as caught:
+            handle = mgr.save(1, state_for(1))  # a synchronous save raises here, after its commit
+            assert handle.wait().step == 1  # the background save itself succeeded
+            mgr.wait()
+        assert isinstance(caught.value.__cause__, RuntimeError)
+        assert mgr.steps() == [1]
+        assert_same_state(state_for(1), mgr.restore(1))
 
 
 def test_prune_without_a_policy_is_refused(vault: Path) -> None:

@@ -144,10 +144,10 @@ class Saver:
         if self.after_commit is not None:
             try:
                 self.after_commit(request.step)
-            except BaseException as exc:  # noqa: BLE001
+            except BaseException as exc:  # noqa: BLE001 - kept for the next save, wait or close
                 log.error("after-commit step (retention) of step %d failed: %s", request.step, exc)
                 with self._lock:
-                    self._error = exc
+                    self._error = _typed_after_commit(exc, request.step)
 
     def raise_pending(self) -> None:
         """Raise (once) the error of a background save nobody has been told about."""
@@ -192,6 +192,17 @@ def _typed(exc: BaseException, step: int) -> BaseException:
     if isinstance(exc, VaultError) or not isinstance(exc, Exception):
         return exc
     wrapped = SaveError(f"the save of step {step} failed, nothing committed: {type(exc).__name__}: {exc}")
+    wrapped.__cause__ = exc
+    return wrapped
+
+
+def _typed_after_commit(exc: BaseException, step: int) -> BaseException:
+    """Like :func:`_typed`, for a failure of what runs after ``step`` committed (retention): the message says
+    that the checkpoint itself is safe."""
+    if isinstance(exc, VaultError) or not isinstance(exc, Exception):
+        return exc
+    wrapped = SaveError(f"step {step} was committed, but the retention that runs after it failed: "
+                        f"{type(exc).__name__}: {exc}")
     wrapped.__cause__ = exc
     return wrapped
 
