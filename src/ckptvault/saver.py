@@ -134,7 +134,7 @@ class Saver:
         except BaseException as caught:  # noqa: BLE001 - handed to the caller, not swallowed
             if self._keyframe_cache is not None:
                 self._keyframe_cache.abort()
-            exc = _typed(caught, request.step)
+            exc = _typed(caught, f"the save of step {request.step} failed, nothing committed")
             log.error("save of step %d failed, nothing committed: %s", request.step, exc)
             with self._lock:
                 self._error, self._error_handle = exc, handle
@@ -147,7 +147,7 @@ class Saver:
             except BaseException as exc:  # noqa: BLE001 - kept for the next save, wait or close
                 log.error("after-commit step (retention) of step %d failed: %s", request.step, exc)
                 with self._lock:
-                    self._error = _typed_after_commit(exc, request.step)
+                    self._error = _typed(exc, f"step {request.step} was committed, but the retention that runs after it failed")
 
     def raise_pending(self) -> None:
         """Raise (once) the error of a background save nobody has been told about."""
@@ -185,24 +185,13 @@ class Saver:
             _LIVE.discard(self)
 
 
-def _typed(exc: BaseException, step: int) -> BaseException:
+def _typed(exc: BaseException, what: str) -> BaseException:
     """``exc`` if it is one of ckptvault's errors (or not an Exception: KeyboardInterrupt, SystemExit), else a
-    :class:`SaveError` naming it, with ``exc`` as its cause: an unexpected failure (a store's own exception, a
-    codec bug, MemoryError) still reaches the caller as a typed error."""
+    :class:`SaveError` "``what``: Type: message" with ``exc`` as its cause: an unexpected failure (a store's own
+    exception, a codec bug, MemoryError) still reaches the caller as a typed error."""
     if isinstance(exc, VaultError) or not isinstance(exc, Exception):
         return exc
-    wrapped = SaveError(f"the save of step {step} failed, nothing committed: {type(exc).__name__}: {exc}")
-    wrapped.__cause__ = exc
-    return wrapped
-
-
-def _typed_after_commit(exc: BaseException, step: int) -> BaseException:
-    """Like :func:`_typed`, for a failure of what runs after ``step`` committed (retention): the message says
-    that the checkpoint itself is safe."""
-    if isinstance(exc, VaultError) or not isinstance(exc, Exception):
-        return exc
-    wrapped = SaveError(f"step {step} was committed, but the retention that runs after it failed: "
-                        f"{type(exc).__name__}: {exc}")
+    wrapped = SaveError(f"{what}: {type(exc).__name__}: {exc}")
     wrapped.__cause__ = exc
     return wrapped
 
