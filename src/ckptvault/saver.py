@@ -134,8 +134,9 @@ class Saver:
         except BaseException as caught:  # noqa: BLE001 - handed to the caller, not swallowed
             if self._keyframe_cache is not None:
                 self._keyframe_cache.abort()
-            exc = _typed(caught, f"the save of step {request.step} failed, nothing committed")
-            log.error("save of step %d failed, nothing committed: %s", request.step, exc)
+            what = f"the save of step {request.step} failed, nothing committed"
+            exc = _typed(caught, what)
+            log.error("%s", exc if exc is not caught else f"{what}: {caught}")  # a wrapped one says it already
             with self._lock:
                 self._error, self._error_handle = exc, handle
             handle.committed.set_exception(exc)

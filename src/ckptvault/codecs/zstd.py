@@ -69,7 +69,8 @@ class _AcceleratedLevel1:
     def __init__(self) -> None:
         ffi, lib = _CFFI
         self._ffi, self._lib = ffi, lib
-        self._out = ffi.new_allocator(should_clear_after_alloc=False)("char[]", 0)  # grown on demand, reused
+        self._alloc = ffi.new_allocator(should_clear_after_alloc=False)  # zero-filling would cost a pass
+        self._out = self._alloc("char[]", 0)  # grown on demand, reused
         self._cctx = ffi.gc(lib.ZSTD_createCCtx(), lib.ZSTD_freeCCtx)
         if self._cctx == ffi.NULL:
             raise MemoryError("zstd could not allocate a compression context")
@@ -90,7 +91,7 @@ class _AcceleratedLevel1:
         source = self._ffi.from_buffer(data)
         bound = self._lib.ZSTD_compressBound(len(source))
         if len(self._out) < bound:
-            self._out = self._ffi.new_allocator(should_clear_after_alloc=False)("char[]", bound)
+            self._out = self._alloc("char[]", bound)
         size = self._check(self._lib.ZSTD_compress2(self._cctx, self._out, len(self._out), source, len(source)))
         return self._ffi.buffer(self._out, size)[:]
 
