@@ -7,6 +7,7 @@ errors that name what to check, lifecycle warnings), and CheckpointManager end t
 from __future__ import annotations
 
 import copy
+import io
 import json
 import logging
 import os
@@ -17,6 +18,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import pytest
 import torch
@@ -27,7 +29,7 @@ from ckptvault.stores import Store, open_store
 from ckptvault.stores.conformance import StoreConformance
 from ckptvault.stores.faults import FaultProxy
 from ckptvault.stores.s3 import S3Store
-from ckptvault.stores.s3_support import lifecycle_risks, parse_s3_url
+from ckptvault.stores.s3_support import PayloadReader, lifecycle_risks, parse_s3_url
 from conftest import assert_same_state
 
 pytest.register_assert_rewrite("conftest_s3")
@@ -139,6 +141,99 @@ def test_without_conditional_writes_create_if_absent_is_check_then_write(rgw: Ga
     assert conditional.put_if_absent("k2", b"x") is True and conditional.put_if_absent("k2", b"y") is False
     assert [h.get("If-None-Match") for h in sent[1:]] == [b"*", b"*"]
     conditional.close()
+
+
+# -- request bodies -----------------------------------------------------------------------
+def test_payload_reader_reads_views_of_the_payload_and_seeks() -> None:
+    payload = bytes(range(256)) * 10
+    reader = PayloadReader(payload)
+    assert len(reader) == 2560 and reader.readable() and reader.seekable()
+    first = reader.read(300)
+    assert first == payload[:300] and first.obj is payload  # a view, not a copy
+    assert reader.tell() == 300
+    assert reader.read() == payload[300:] and reader.read(10) == b"" and reader.read() == b""
+    assert reader.seek(0) == 0 and reader.read(-1) == payload
+    assert reader.seek(-10, io.SEEK_END) == 2550 and reader.read(100) == payload[-10:]
+    assert reader.seek(5) == 5 and reader.seek(5, io.SEEK_CUR) == 10
+    into = bytearray(6)
+    assert reader.readinto(into) == 6 and into == payload[10:16]
+    assert reader.seek(10_000) == 10_000 and reader.read(5) == b""  # past the end reads nothing, as a file does
+    with pytest.raises(ValueError, match="negative seek position -1"):
+        reader.seek(-1)
+    shaped = PayloadReader(memoryview(bytearray(b"abcdef")).cast("B", (2, 3)))  # any buffer, read as its bytes
+    assert len(shaped) == 6 and shaped.read() == b"abcdef" and shaped.flat() == b"abcdef"
+
+
+def test_payload_reader_reads_a_list_of_buffers_as_their_concatenation() -> None:
+    parts = [b"head", b"", bytearray(b"plane-one"), memoryview(b"plane-two")]
+    reader = PayloadReader(parts)
+    assert len(reader) == 22 and reader.flat() == b"headplane-oneplane-two"
+    assert reader.read(100) == b"head"  # a read stops at the end of a buffer (a short read)
+    assert reader.read(5).obj is parts[2] and reader.read() == b"-one" and reader.read(3) == b"pla"
+    assert reader.seek(3) == 3 and reader.read(2) == b"d"
+    assert b"".join(iter(lambda: reader.read(4), b"")) == b"plane-oneplane-two"
+    assert reader.seek(0) == 0 and b"".join(iter(reader.read, b"")) == b"headplane-oneplane-two"
+    assert PayloadReader([b"one"]).flat().obj == b"one" and len(PayloadReader([])) == 0
+    assert PayloadReader([]).read() == b"" and PayloadReader([]).flat() == b""
+
+
+def _bodies_sent(store: S3Store) -> list[object]:
+    """The request bodies botocore is about to send (PutObject and UploadPart), recorded in order."""
+    bodies: list[object] = []
+    for operation in ("PutObject", "UploadPart"):
+        store.client.meta.events.register(f"before-send.s3.{operation}",
+                                          lambda request, **_: bodies.append(request.body))
+    return bodies
+
+
+@pytest.mark.parametrize("conditional", [False, True], ids=["put", "put_if_absent"])
+def test_puts_send_the_payload_where_it_lies(rgw: Gateway, s3_url: str, conditional: bool) -> None:
+    """Bodies reach the socket as views of the caller's buffer: no copy of bytes, none of a memoryview."""
+    store = S3Store(s3_url, **rgw.options())
+    data = os.urandom(3 * MiB + 5)
+    buffer = bytearray(data)
+    bodies = _bodies_sent(store)
+    put = store.put_if_absent if conditional else store.put
+    put("from-bytes", data)
+    put("from-view", memoryview(buffer))
+    parts = [data[:100], bytearray(data[100:MiB]), data[MiB:]]
+    if conditional:
+        assert store.put_parts_if_absent("from-parts", parts) is True
+        assert store.put_parts_if_absent("from-parts", [b"other"]) is False
+    assert [type(b) for b in bodies] == [PayloadReader] * (4 if conditional else 2)
+    for body in bodies:
+        body.seek(0)  # type: ignore[attr-defined]  # botocore read them to the end
+    assert bodies[0].read(10).obj is data and bodies[1].read(10).obj is buffer  # type: ignore[attr-defined]
+    if conditional:
+        assert [bodies[2].read().obj for _ in parts] == parts  # type: ignore[attr-defined]
+        assert store.get("from-parts") == data
+    assert store.get("from-bytes") == data and store.get("from-view") == data
+    store.close()
+
+
+def test_multipart_parts_are_views_of_the_payload(rgw: Gateway, s3_url: str) -> None:
+    store = S3Store(s3_url, **rgw.options(multipart_threshold=5 * MiB, multipart_chunksize=5 * MiB))
+    data = os.urandom(12 * MiB)
+    bodies = _bodies_sent(store)
+    store.put("big", data)
+    assert len(bodies) == 3 and all(isinstance(b, PayloadReader) for b in bodies)
+    assert sorted(len(b) for b in bodies) == [2 * MiB, 5 * MiB, 5 * MiB]  # type: ignore[arg-type]
+    assert all(b.seek(0) == 0 and b.read(1).obj is data for b in bodies)  # type: ignore[attr-defined]
+    assert store.get("big") == data
+    store.close()
+
+
+def test_a_put_retried_after_its_body_was_sent_sends_all_of_it_again(rgw: Gateway, s3_url: str) -> None:
+    """The first attempt uploads the whole body, then loses its reply; botocore rewinds the reader and sends it
+    again, from the start: what the gateway holds is the payload, not a tail of it or nothing."""
+    data = os.urandom(2 * MiB + 3)
+    with FaultProxy((urlsplit(rgw.endpoint).hostname or "127.0.0.1", urlsplit(rgw.endpoint).port or 80)) as proxy:
+        store = S3Store(s3_url, **rgw.options(endpoint_url=proxy.endpoint, check_lifecycle=False, max_attempts=3))
+        proxy.then("cut", "pass")
+        store.put("retried", memoryview(data))
+        assert proxy.counts["cut"] == 1 and proxy.counts["pass"] >= 1
+        assert store.get("retried") == data
+        store.close()
 
 
 # -- errors -----------------------------------------------------------------------------

@@ -67,6 +67,11 @@ class Store(abc.ABC):
     def put_if_absent(self, key: str, data: bytes | memoryview) -> bool:
         """Create the object unless it exists. True if this call created it."""
 
+    def put_parts_if_absent(self, key: str, parts: list[Any]) -> bool:
+        """:meth:`put_if_absent` of the concatenation of ``parts`` (buffers, which may be reused once this
+        returns). This default joins them; a store that can send them as they are (S3's) saves a copy."""
+        return self.put_if_absent(key, b"".join(parts))
+
     @abc.abstractmethod
     def exists(self, key: str) -> bool:
         """True if the object exists."""
@@ -121,8 +126,9 @@ class WriteBatch:
 
     def put_parts_if_absent(self, key: str, parts: list[Any]) -> bool:
         """:meth:`put_if_absent` of the concatenation of ``parts`` (buffers); a batch that can write them
-        without joining them first (the local store's) saves a copy of the object."""
-        return self.put_if_absent(key, b"".join(parts))
+        without joining them first (the local store's) saves a copy of the object. This one hands them to
+        :meth:`Store.put_parts_if_absent`."""
+        return self.store.put_parts_if_absent(key, parts)
 
     def finish(self) -> None:  # noqa: B027 - the write-through batch has nothing left to do
         """Make every object put durable and visible."""

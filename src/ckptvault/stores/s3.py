@@ -40,6 +40,7 @@ from .base import ObjectInfo, Store
 from .s3_support import (
     MAX_SINGLE_PUT,
     NOT_FOUND_CODES,
+    PayloadReader,
     S3Options,
     classify,
     default_addressing,
@@ -190,29 +191,37 @@ class S3Store(Store):
 
     # -- writes -------------------------------------------------------------------
     def put(self, key: str, data: bytes | memoryview) -> None:
-        full, body = self._key(key), _as_bytes(data)
+        self._put(self._key(key), [data])
+
+    def _put(self, full: str, parts: list[Any]) -> None:
+        body = PayloadReader(parts)
         if len(body) > self.options.multipart_threshold:
-            self._multipart(full, body)
+            self._multipart(full, body.flat())
         else:
             self._call(full, self.client.put_object, Key=full, Body=body)
 
     def put_if_absent(self, key: str, data: bytes | memoryview) -> bool:
-        full, body = self._key(key), _as_bytes(data)
+        return self.put_parts_if_absent(key, [data])
+
+    def put_parts_if_absent(self, key: str, parts: list[Any]) -> bool:
+        """Create-if-absent of the concatenation of ``parts``, sent as they lie (:class:`PayloadReader`):
+        a chunk's header and encoded planes go out without being joined into one object first."""
+        full, size = self._key(key), len(PayloadReader(parts))
         if not self.options.conditional_writes:
             if self.exists(key):
                 return False
-            self.put(key, body)
+            self._put(full, parts)
             return True
-        if len(body) > MAX_SINGLE_PUT:
-            return self._multipart_if_absent(key, full, body)
+        if size > MAX_SINGLE_PUT:
+            return self._multipart_if_absent(key, full, PayloadReader(parts).flat())
         for attempt in range(self.options.max_attempts):
             try:
-                self.client.put_object(Bucket=self.bucket, Key=full, Body=body, IfNoneMatch="*")
+                self.client.put_object(Bucket=self.bucket, Key=full, Body=PayloadReader(parts), IfNoneMatch="*")
                 return True
             except Exception as exc:  # noqa: BLE001 - classified below
                 code = error_code(exc)
                 if code == "PreconditionFailed":
-                    return retry_attempts(exc) > 0 and self._holds(full, body)
+                    return retry_attempts(exc) > 0 and self._holds(full, PayloadReader(parts).flat())
                 if code == "NotImplemented":
                     raise PermanentStorageError(
                         f"{self._where} does not support conditional writes (If-None-Match) needed for create-if-absent "
@@ -224,14 +233,14 @@ class S3Store(Store):
                 raise classify(exc, full, self._where) from exc
         raise AssertionError("unreachable")
 
-    def _holds(self, full: str, body: bytes) -> bool:
+    def _holds(self, full: str, body: memoryview) -> bool:
         """True if the object now holds exactly ``body`` (our own earlier, retried attempt created it)."""
         try:
             return self._get_full(full) == body
         except ObjectNotFoundError:
             return False
 
-    def _multipart_if_absent(self, key: str, full: str, body: bytes) -> bool:
+    def _multipart_if_absent(self, key: str, full: str, body: memoryview) -> bool:
         if self.exists(key):
             return False
         if not self.options.conditional_multipart:
@@ -246,17 +255,16 @@ class S3Store(Store):
             raise
         return True
 
-    def _multipart(self, full: str, body: bytes, if_none_match: bool = False) -> None:
+    def _multipart(self, full: str, body: memoryview, if_none_match: bool = False) -> None:
         """Upload ``body`` in parts of ``multipart_chunksize`` (in parallel); abort the upload on failure."""
         upload = self._call(full, self.client.create_multipart_upload, Key=full)["UploadId"]
         size = self.options.multipart_chunksize
         spans = [(i + 1, start) for i, start in enumerate(range(0, len(body), size))]
-        view = memoryview(body)
 
         def send(span: tuple[int, int]) -> dict[str, Any]:
             number, start = span
             resp = self._call(full, self.client.upload_part, Key=full, UploadId=upload, PartNumber=number,
-                              Body=bytes(view[start:start + size]))
+                              Body=PayloadReader(body[start:start + size]))
             return {"PartNumber": number, "ETag": resp["ETag"]}
 
         try:
@@ -339,10 +347,6 @@ class _ObjectChanged(Exception):
 class _BodyCut(RetryableStorageError):
     """A GET's body was cut off or stalled after botocore returned the response (which botocore does not retry):
     :meth:`S3Store._retrying` sends the request again."""
-
-
-def _as_bytes(data: bytes | memoryview) -> bytes:
-    return data if isinstance(data, bytes) else memoryview(data).cast("B").tobytes()
 
 
 _SESSION_LOCK = threading.Lock()  # boto3 sessions are not thread-safe; clients are

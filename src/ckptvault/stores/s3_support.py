@@ -5,7 +5,10 @@ Kept apart from ``s3.py`` so that each can be read (and tested) on its own.
 
 from __future__ import annotations
 
+import bisect
+import io
 import ipaddress
+import itertools
 import os
 from dataclasses import dataclass, fields
 from typing import Any
@@ -81,6 +84,65 @@ class S3Options:
         if opts.max_concurrency < 1 or opts.max_attempts < 1 or opts.workers < 1:
             raise InvalidArgumentError("workers, max_concurrency and max_attempts must be at least 1")
         return opts
+
+
+class PayloadReader(io.RawIOBase):
+    """A request body that hands botocore views of the payload instead of copies.
+
+    botocore wraps a ``bytes`` body in ``io.BytesIO``; signing then reads it in 1 MiB copies (each a fresh
+    allocation that page-faults) and urllib3 sends it in 16 KiB copies, two copies of every byte uploaded. This
+    reader returns ``memoryview`` slices of the payload, which ``hashlib`` and ``socket.sendall`` take as they
+    are. The payload may be one buffer or a list of buffers read as their concatenation (an encoded chunk's
+    header and planes), so it need not be joined first; a read then stops at the end of a buffer, a short
+    read that file readers allow. The reader is seekable, so botocore rewinds it for a retry as it rewinds a
+    ``BytesIO``; it is read-only, and serves one request at a time (make one per call).
+    """
+
+    def __init__(self, payload: bytes | memoryview | list[Any]) -> None:
+        super().__init__()
+        buffers = payload if isinstance(payload, list) else [payload]
+        self._views = [view for view in (memoryview(b).cast("B") for b in buffers) if len(view)]
+        self._starts = list(itertools.accumulate((len(v) for v in self._views), initial=0))
+        self._position = 0
+
+    def __len__(self) -> int:
+        return self._starts[-1]
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def read(self, size: int | None = -1) -> memoryview:  # type: ignore[override]
+        """Up to ``size`` bytes (all if negative) from the current position, within one buffer; empty at the end."""
+        index = bisect.bisect_right(self._starts, self._position) - 1
+        if index >= len(self._views):
+            return memoryview(b"")
+        view, offset = self._views[index], self._position - self._starts[index]
+        end = len(view) if size is None or size < 0 else min(len(view), offset + size)
+        self._position += end - offset
+        return view[offset:end]
+
+    def readinto(self, buffer: Any) -> int:
+        target = memoryview(buffer).cast("B")
+        chunk = self.read(len(target))
+        target[: len(chunk)] = chunk
+        return len(chunk)
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._position, io.SEEK_END: len(self)}[whence]
+        if base + offset < 0:
+            raise ValueError(f"negative seek position {base + offset}")
+        self._position = base + offset
+        return self._position
+
+    def tell(self) -> int:
+        return self._position
+
+    def flat(self) -> memoryview:
+        """The whole payload as one flat view: of its buffer if it has one, else of a joined copy."""
+        return self._views[0] if len(self._views) == 1 else memoryview(b"".join(self._views))
 
 
 def parse_s3_url(url: str) -> tuple[str, str]:
