@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import ckptvault
-from ckptvault import CheckpointManager, lossy
+from ckptvault import CheckpointManager, lossy, lossy_kernels
 from ckptvault.demo.data import batch, stdlib_bytes
 from ckptvault.demo.model import GPT, GPTConfig
 from ckptvault.diff import diff_steps
@@ -465,6 +465,32 @@ def test_fused_kernels_store_exactly_what_torch_stores() -> None:
             assert torch.equal(fused.parts["q"], expected["q"]) and torch.equal(fused.parts["scale"], expected["scale"])
             reference = lossy.measure(values, lossy.decode(spec, fused.parts, torch.float32, [100_003], base))
             assert fused.error == pytest.approx(reference, rel=1e-9), spec
+
+
+@pytest.mark.parametrize("half", [False, True], ids=["bf16", "fp16"])
+def test_kernel_counts_carry_across_their_uint32_blocks(half: bool) -> None:
+    """The cast kernels count in uint32 per block of ``_COUNT_BLOCK`` values; one call over more than a block
+    counts what torch's cast says, on both sides of every boundary, and what two calls split elsewhere count."""
+    n = 2 * lossy_kernels._COUNT_BLOCK + 4099
+    gen = np.random.default_rng(11)
+    bits = (gen.standard_normal(n).astype(np.float32) * 0.02).view(np.uint32)
+    bits[::997] = gen.integers(1, 0x8000, bits[::997].size)  # tiny: both casts flush them to zero
+    bits[::7919] = 0
+    edge = lossy_kernels._COUNT_BLOCK
+    bits[edge - 2 : edge + 2] = [0x7F7FFFFF, 1, 0x7F800000, 0x7FC00001]  # overflows fp16 (bf16 too), flushes, inf, NaN
+    x = torch.from_numpy(bits.view(np.float32))
+    restored = x.to(torch.float16 if half else torch.bfloat16).float()
+    finite_nonzero = torch.isfinite(x) & (x != 0)
+    expected = (int(finite_nonzero.sum()), int((finite_nonzero & (restored == 0)).sum()),
+                int((torch.isfinite(x) & torch.isinf(restored)).sum()), 0)
+    cast = lossy_kernels.cast_fp16 if half else lossy_kernels.cast_bf16
+    q = np.empty(n, np.uint16)
+    whole = cast(bits, q)
+    assert tuple(whole[3:]) == expected and expected[1] >= n // 997 and expected[2] >= 1
+    split = 12_345
+    first, second = cast(bits[:split], q[:split]), cast(bits[split:], q[split:])
+    assert tuple(whole[3:]) == tuple(a + b for a, b in zip(first[3:], second[3:]))
+    assert whole[1] == pytest.approx(first[1] + second[1], rel=1e-9) and whole[0] == max(first[0], second[0])
 
 
 def test_a_kept_overflow_is_recorded_as_inf(tmp_path: Path) -> None:

@@ -32,6 +32,7 @@ Sums = tuple[int, float, float, int, int, int, int]
 _U32 = np.uint32
 _SIGN, _MAG, _INF = _U32(0x80000000), _U32(0x7FFFFFFF), _U32(0x7F800000)
 _FAST = {"reassoc"}  # lets the float64 sums vectorise; no contraction, so a decode equals torch's mul then add
+_COUNT_BLOCK = 1 << 20  # values per block whose counts are kept in uint32 (which cannot overflow)
 
 
 @intrinsic
@@ -92,21 +93,32 @@ def _contribution(u, b):  # type: ignore[no-untyped-def]
 
 
 @njit(inline="always")
+def _count(total, flag):  # type: ignore[no-untyped-def]
+    """``total + flag`` kept in uint32: 64-bit counters would halve the lanes of the vectorised loop."""
+    return _U32(total + _U32(flag))
+
+
+@njit(inline="always")
 def _cast(x, q, half):  # type: ignore[no-untyped-def]
     """The body of :func:`cast_bf16` (``half`` False) and :func:`cast_fp16` (``half`` True, a constant)."""
     max_bits, err_sq, ref_sq = _U32(0), 0.0, 0.0
     nonzero = flushed = overflow = nan = 0
-    for i in range(x.size):
-        if half:
-            stored = _fp16_bits(x[i])
-            restored = _fp16_to_bits32(stored)
-        else:
-            stored = _bf16_bits(x[i])
-            restored = _U32(stored << _U32(16))
-        q[i] = np.uint16(stored)
-        m, e, a, c, f, o, n = _contribution(x[i], restored)
-        max_bits, err_sq, ref_sq = max(max_bits, m), err_sq + e, ref_sq + a
-        nonzero, flushed, overflow, nan = nonzero + c, flushed + f, overflow + o, nan + n
+    for start in range(0, x.size, _COUNT_BLOCK):  # uint32 counts per block, which cannot overflow
+        xs, qs = x[start : start + _COUNT_BLOCK], q[start : start + _COUNT_BLOCK]
+        c_nonzero = c_flushed = c_overflow = c_nan = _U32(0)
+        for i in range(xs.size):
+            if half:
+                stored = _fp16_bits(xs[i])
+                restored = _fp16_to_bits32(stored)
+            else:
+                stored = _bf16_bits(xs[i])
+                restored = _U32(stored << _U32(16))
+            qs[i] = np.uint16(stored)
+            m, e, a, c, f, o, n = _contribution(xs[i], restored)
+            max_bits, err_sq, ref_sq = max(max_bits, m), err_sq + e, ref_sq + a
+            c_nonzero, c_flushed = _count(c_nonzero, c), _count(c_flushed, f)
+            c_overflow, c_nan = _count(c_overflow, o), _count(c_nan, n)
+        nonzero, flushed, overflow, nan = nonzero + c_nonzero, flushed + c_flushed, overflow + c_overflow, nan + c_nan
     return max_bits, err_sq, ref_sq, nonzero, flushed, overflow, nan
 
 
@@ -137,6 +149,7 @@ def _quantise_int8(x, base, block, q, scale, residual):  # type: ignore[no-untyp
         s = _as_float(absmax_bits) / np.float32(127.0)
         scale[k] = s
         divisor = s if s > 0 else np.float32(1.0)
+        c_nonzero = c_flushed = c_overflow = c_nan = _U32(0)  # a block is at most 2^20 values
         for i in range(xs.size):
             v = xs[i] - bs[i] if residual else xs[i]
             r = np.rint(v / divisor)
@@ -145,7 +158,9 @@ def _quantise_int8(x, base, block, q, scale, residual):  # type: ignore[no-untyp
             restored = bs[i] + r * s if residual else r * s
             m, e, a, c, f, o, n = _contribution(_as_bits(xs[i]), _as_bits(restored))
             max_bits, err_sq, ref_sq = max(max_bits, m), err_sq + e, ref_sq + a
-            nonzero, flushed, overflow, nan = nonzero + c, flushed + f, overflow + o, nan + n
+            c_nonzero, c_flushed = _count(c_nonzero, c), _count(c_flushed, f)
+            c_overflow, c_nan = _count(c_overflow, o), _count(c_nan, n)
+        nonzero, flushed, overflow, nan = nonzero + c_nonzero, flushed + c_flushed, overflow + c_overflow, nan + c_nan
     return max_bits, err_sq, ref_sq, nonzero, flushed, overflow, nan
 
 
