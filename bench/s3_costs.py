@@ -1,7 +1,7 @@
 """Where the CPU of an S3 save goes, on the client and on the gateway: per request, and per first save of W1.
 
     .venv/bin/python bench/s3_costs.py --runs 5                       # requests, then saves: defaults and boto3
-    .venv/bin/python bench/s3_costs.py --runs 5 --variants sync,sync-no-probe,sync-no-commit-check,boto3
+    .venv/bin/python bench/s3_costs.py --runs 5 --variants sync,sync-no-probe,sync-no-commit-check,sync-copied-bodies,boto3
 
 Starts the gateway with ``scripts/ceph-rgw.sh`` (as ``bench_s3.py`` does). Server CPU is read from
 ``/proc/PID/stat`` of the daemons the script started (mon, OSD, radosgw); client CPU is this process's.
@@ -17,9 +17,11 @@ Part 2, the first save of W1 (``workloads_incremental.py``) into a fresh vault, 
 * ``sync-no-probe``: the store answers "absent" to the save's per-chunk existence probe (what skipping it
   would save; the commit-time check still runs);
 * ``sync-no-commit-check``: the commit skips its existence check of every chunk (what that check costs);
+* ``sync-copied-bodies``: request bodies go to botocore as one joined ``bytes`` object, as before
+  ``PayloadReader`` (botocore then copies them while signing and sending);
 * ``boto3``: ``upload_file`` of the torch.save file (written before the clock starts).
 
-The two ``no-`` variants patch ckptvault internals: they measure costs, they are not settings.
+The ``no-`` and ``copied-`` variants patch ckptvault internals: they measure costs, they are not settings.
 """
 
 from __future__ import annotations
@@ -127,6 +129,11 @@ class Patched:
             save_mod._ChunkWriter._store, S3Store.stat = store_without_probe, stat
             self.undo.append(lambda: setattr(save_mod._ChunkWriter, "_store", original_store))
             self.undo.append(lambda: setattr(S3Store, "stat", original_stat))
+        if "copied-bodies" in self.variant:
+            s3_mod = sys.modules["ckptvault.stores.s3"]
+            original_reader = s3_mod.PayloadReader
+            s3_mod.PayloadReader = lambda parts: b"".join(parts)
+            self.undo.append(lambda: setattr(s3_mod, "PayloadReader", original_reader))
         if "no-commit-check" in self.variant:
             saver_mod = sys.modules["ckptvault.saver"]
             original_commit = saver_mod.commit
