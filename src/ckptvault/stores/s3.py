@@ -206,22 +206,23 @@ class S3Store(Store):
     def put_parts_if_absent(self, key: str, parts: list[Any]) -> bool:
         """Create-if-absent of the concatenation of ``parts``, sent as they lie (:class:`PayloadReader`):
         a chunk's header and encoded planes go out without being joined into one object first."""
-        full, size = self._key(key), len(PayloadReader(parts))
+        full, body = self._key(key), PayloadReader(parts)
         if not self.options.conditional_writes:
             if self.exists(key):
                 return False
             self._put(full, parts)
             return True
-        if size > MAX_SINGLE_PUT:
-            return self._multipart_if_absent(key, full, PayloadReader(parts).flat())
+        if len(body) > MAX_SINGLE_PUT:
+            return self._multipart_if_absent(key, full, body.flat())
         for attempt in range(self.options.max_attempts):
             try:
-                self.client.put_object(Bucket=self.bucket, Key=full, Body=PayloadReader(parts), IfNoneMatch="*")
+                body.seek(0)
+                self.client.put_object(Bucket=self.bucket, Key=full, Body=body, IfNoneMatch="*")
                 return True
             except Exception as exc:  # noqa: BLE001 - classified below
                 code = error_code(exc)
                 if code == "PreconditionFailed":
-                    return retry_attempts(exc) > 0 and self._holds(full, PayloadReader(parts).flat())
+                    return retry_attempts(exc) > 0 and self._holds(full, body.flat())
                 if code == "NotImplemented":
                     raise PermanentStorageError(
                         f"{self._where} does not support conditional writes (If-None-Match) needed for create-if-absent "
