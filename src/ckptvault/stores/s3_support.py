@@ -115,12 +115,17 @@ class PayloadReader(io.RawIOBase):
         return True
 
     def read(self, size: int | None = -1) -> memoryview:  # type: ignore[override]
-        """Up to ``size`` bytes (all if negative) from the current position, within one buffer; empty at the end."""
+        """Up to ``size`` bytes from the current position, within one buffer; empty at the end. A negative
+        ``size`` reads to the end, as files do (a joined copy where the rest spans buffers)."""
         index = bisect.bisect_right(self._starts, self._position) - 1
         if index >= len(self._views):
             return memoryview(b"")
         view, offset = self._views[index], self._position - self._starts[index]
-        end = len(view) if size is None or size < 0 else min(len(view), offset + size)
+        if size is None or size < 0:
+            rest = [view[offset:], *self._views[index + 1 :]]
+            self._position = len(self)
+            return rest[0] if len(rest) == 1 else memoryview(b"".join(rest))
+        end = min(len(view), offset + size)
         self._position += end - offset
         return view[offset:end]
 
