@@ -468,26 +468,35 @@ def test_fused_kernels_store_exactly_what_torch_stores() -> None:
 
 
 @pytest.mark.parametrize("half", [False, True], ids=["bf16", "fp16"])
-def test_kernel_counts_carry_across_their_uint32_blocks(half: bool) -> None:
-    """The cast kernels count in uint32 per block of ``_COUNT_BLOCK`` values; one call over more than a block
-    counts what torch's cast says, on both sides of every boundary, and what two calls split elsewhere count."""
-    n = 2 * lossy_kernels._COUNT_BLOCK + 4099
+def test_cast_kernels_count_every_special_value_whichever_block_it_falls_in(half: bool) -> None:
+    """The cast kernels count special cases only in blocks (of ``_BLOCK`` values) whose magnitudes leave the
+    ordinary range. Each value just inside or outside that range, alone in an otherwise ordinary block (at its
+    start, middle or end) that gets a fast pass, is counted as torch's cast says, the error sums equal float64 sums of the float32
+    differences, and two calls split off a block boundary count what one call counts."""
+    block = lossy_kernels._BLOCK
+    lower, upper = (int(b) for b in (lossy_kernels._ORDINARY_HALF if half else lossy_kernels._ORDINARY_BF16))
+    edges = [lower - 1, lower, lower + 1, upper - 1, upper, upper + 1, 0x7F800000, 0x7FC00001, 0, 1]
     gen = np.random.default_rng(11)
-    bits = (gen.standard_normal(n).astype(np.float32) * 0.02).view(np.uint32)
-    bits[::997] = gen.integers(1, 0x8000, bits[::997].size)  # tiny: both casts flush them to zero
-    bits[::7919] = 0
-    edge = lossy_kernels._COUNT_BLOCK
-    bits[edge - 2 : edge + 2] = [0x7F7FFFFF, 1, 0x7F800000, 0x7FC00001]  # overflows fp16 (bf16 too), flushes, inf, NaN
+    spacing = lossy_kernels._EXACT_RUN + 2  # after a special block, the next _EXACT_RUN are cast exactly anyway
+    bits = (gen.standard_normal((spacing * len(edges) + 1) * block).astype(np.float32) * 0.02).view(np.uint32)
+    for k, value in enumerate(edges):  # one edge value every ``spacing`` blocks; the blocks between stay ordinary
+        position = spacing * k * block + (0, block // 2, block - 1)[k % 3]
+        bits[position] = value | (0x80000000 if k % 2 else 0)
     x = torch.from_numpy(bits.view(np.float32))
     restored = x.to(torch.float16 if half else torch.bfloat16).float()
-    finite_nonzero = torch.isfinite(x) & (x != 0)
-    expected = (int(finite_nonzero.sum()), int((finite_nonzero & (restored == 0)).sum()),
-                int((torch.isfinite(x) & torch.isinf(restored)).sum()), 0)
+    finite = torch.isfinite(x)
+    diff = (restored - x)[finite].double()  # float32 differences, summed in float64
+    expected_counts = (int((finite & (x != 0)).sum()), int((finite & (x != 0) & (restored == 0)).sum()),
+                       int((finite & torch.isinf(restored)).sum()), 0)
     cast = lossy_kernels.cast_fp16 if half else lossy_kernels.cast_bf16
-    q = np.empty(n, np.uint16)
+    q = np.empty(bits.size, np.uint16)
     whole = cast(bits, q)
-    assert tuple(whole[3:]) == expected and expected[1] >= n // 997 and expected[2] >= 1
-    split = 12_345
+    assert tuple(whole[3:]) == expected_counts and expected_counts[1] >= 3 and expected_counts[2] == 2
+    assert np.uint32(whole[0]).view(np.float32) == float(diff.abs().max())
+    assert whole[1] == pytest.approx(float((diff * diff).sum()), rel=1e-9)
+    assert whole[2] == pytest.approx(float((x[finite].double() ** 2).sum()), rel=1e-9)
+    assert torch.equal(torch.from_numpy(q.view(np.int16)), x.to(torch.float16 if half else torch.bfloat16).view(torch.int16))
+    split = 3 * block + 123
     first, second = cast(bits[:split], q[:split]), cast(bits[split:], q[split:])
     assert tuple(whole[3:]) == tuple(a + b for a, b in zip(first[3:], second[3:]))
     assert whole[1] == pytest.approx(first[1] + second[1], rel=1e-9) and whole[0] == max(first[0], second[0])
