@@ -502,6 +502,36 @@ def test_cast_kernels_count_every_special_value_whichever_block_it_falls_in(half
     assert whole[1] == pytest.approx(first[1] + second[1], rel=1e-9) and whole[0] == max(first[0], second[0])
 
 
+_FMAX = float(np.finfo(np.float32).max)
+
+
+@pytest.mark.parametrize(("values", "base", "special"), [
+    ([_FMAX, 1.0, -3.0, 0.0], None, "overflow"),  # 127 x (FLT_MAX / 127) rounds past FLT_MAX
+    ([2.0**125 * 1.0000001, 1e30, -2.0, 5e-3], None, None),  # just above the bound: counted exactly
+    ([2.0**125 * 0.9999999, 1e30, -2.0, 5e-3], None, None),  # just below: the fast loop
+    ([_FMAX, -_FMAX * 0.5, 1.0, 0.0], [_FMAX * 0.75, _FMAX * 0.5, 1.5, 0.0], "overflow"),
+    ([_FMAX * 0.9, 1.0], [-_FMAX * 0.9, 0.0], "nan"),  # the difference is -inf
+    ([_FMAX, 0.0], [3.402808457402182e38, -(2.0**112)], "overflow"),  # small residuals, but base + q * scale > FLT_MAX
+], ids=["FLT_MAX", "above 2^125", "below 2^125", "residual past FLT_MAX", "residual of opposite huge values",
+        "small residual of FLT_MAX"])
+def test_int8_blocks_that_may_overflow_are_counted_exactly(values: list[float], base: list[float] | None,
+                                                           special: str | None) -> None:
+    """int8 blocks whose values or residuals reach 2^125 are quantised by the loop that counts overflows and
+    NaNs; the error equals the torch reference on each side of that bound, and blocks of ordinary values
+    around them keep their counts."""
+    repeat = 64
+    x = torch.tensor(values * repeat + [0.5, -0.25, 1e-9, 0.0] * 64)
+    spec = lossy.LossySpec("int8-block" if base is None else "residual-int8", 64)
+    base_t = None if base is None else torch.tensor(base * repeat + [0.25, -0.25, 0.0, 0.0] * 64)
+    encoded = lossy.encode(x, spec, base_t)
+    reference = lossy.measure(x, lossy.decode(spec, encoded.parts, x.dtype, list(x.shape), base_t))
+    assert encoded.error.keys() == reference.keys()
+    for key, value in reference.items():
+        assert encoded.error[key] == pytest.approx(value, rel=1e-9, nan_ok=True), key
+    if special is not None:
+        assert reference[special] > 0
+
+
 def test_a_kept_overflow_is_recorded_as_inf(tmp_path: Path) -> None:
     """on_unsafe="keep" stores a result with infs; its error (max abs inf) goes into the strict-JSON manifest
     as a string and comes back as a float."""
