@@ -6,6 +6,7 @@ errors that name what to check, lifecycle warnings), and CheckpointManager end t
 
 from __future__ import annotations
 
+import collections
 import copy
 import io
 import json
@@ -18,6 +19,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 import pytest
@@ -25,6 +27,7 @@ import torch
 
 from ckptvault import CheckpointManager
 from ckptvault.errors import InvalidArgumentError, PermanentStorageError, RetryableStorageError, StepNotFoundError
+from ckptvault.format.chunk_object import chunk_key
 from ckptvault.stores import Store, open_store
 from ckptvault.stores.conformance import StoreConformance
 from ckptvault.stores.faults import FaultProxy
@@ -458,3 +461,93 @@ def test_demo_workflow_on_s3(rgw: Gateway, s3_url: str) -> None:
         weights = next(t for t in mgr.manifest(6)["tensors"] if t["path"] == "model.blocks.0.mlp.0.weight")
         assert weights["lossy"]["codec"] in ("fp16", "bf16") and weights["codec"] == "lz4"
         assert mgr.verify().ok
+
+
+# -- probes before writes ------------------------------------------------------------------------------------------
+def _requests_by_key(store: S3Store) -> list[tuple[str, str]]:
+    """(operation, object key) of every request the store's client sends from now on."""
+    sent: list[tuple[str, str]] = []
+    store.client.meta.events.register(
+        "before-parameter-build.s3", lambda model, params, **_: sent.append((model.name, params.get("Key", ""))))
+    return sent
+
+
+def _chunk_keys(store: S3Store, manifest: dict[str, Any]) -> set[str]:
+    return {f"{store.prefix}/{chunk_key(c['id'])}" for c in manifest["chunks"]}
+
+
+def test_a_new_save_stops_probing_once_probes_keep_missing(rgw: Gateway, s3_url: str) -> None:
+    """On S3 a save asks whether a chunk exists (a HEAD) only until PROBE_MISSES such probes in a row found
+    nothing; the commit still checks every chunk it names."""
+    from ckptvault.save import PROBE_MISSES
+
+    state = {"w": torch.randn(48 * 16384)}  # 48 chunks of 64 KiB
+    with CheckpointManager(s3_url, storage_options=rgw.options(), chunk_size=64 << 10, workers=1,
+                           async_save=False) as mgr:
+        sent = _requests_by_key(mgr.vault.store)
+        mgr.save(1, state)
+        chunks = _chunk_keys(mgr.vault.store, mgr.manifest(1))
+        heads = [k for op, k in sent if op == "HeadObject" and k in chunks]
+        puts = [k for op, k in sent if op == "PutObject" and k in chunks]
+        assert len(chunks) == 48 and sorted(puts) == sorted(chunks)
+        assert len(heads) == PROBE_MISSES + len(chunks)  # probes of the first chunks, then the commit's check
+        assert_same_state(state, mgr.restore(1))
+
+
+def test_a_save_that_finds_chunks_it_did_not_expect_reuses_them_and_probes_again(rgw: Gateway, s3_url: str) -> None:
+    """Chunks left in the vault by a deleted checkpoint (no manifest names them) are unknown to the next save.
+    Once it has stopped probing, the first of them it meets is sent and refused (412): the save reuses it,
+    protects it from gc (a touch, as for any reused chunk nobody names) and probes again, so the others are
+    found without being sent. The checkpoint restores exactly and adds only the new chunks."""
+    from ckptvault.save import PROBE_MISSES
+
+    old, new = torch.randn(16 * 16384), torch.randn(16 * 16384)  # 16 chunks of 64 KiB each
+    with CheckpointManager(s3_url, storage_options=rgw.options(), chunk_size=64 << 10, workers=1,
+                           async_save=False) as mgr:
+        mgr.save(1, {"b_old": old})
+        old_chunks = _chunk_keys(mgr.vault.store, mgr.manifest(1))
+        mgr.delete(1)  # its chunks stay until gc
+        sent = _requests_by_key(mgr.vault.store)
+        mgr.save(2, {"a_new": new, "b_old": old})  # one worker: chunks go in order, the new ones first
+        new_chunks = _chunk_keys(mgr.vault.store, mgr.manifest(2)) - old_chunks
+        count = collections.Counter((op, "old" if k in old_chunks else "new" if k in new_chunks else "other")
+                                    for op, k in sent)
+        assert len(old_chunks) == len(new_chunks) == 16
+        assert count["PutObject", "new"] == 16 and count["PutObject", "old"] == 1  # the refused one
+        assert count["CopyObject", "old"] == 16  # every reused chunk that no manifest names is touched, the refused one too
+        assert count["HeadObject", "new"] == PROBE_MISSES + 16  # probes, then the commit's check
+        assert count["HeadObject", "old"] == 15 + 16 + 1  # probes again, the commit's check, the refused one's size
+        assert mgr.info(2).added_bytes == sum(c["stored"] for c in mgr.manifest(2)["chunks"]
+                                              if f"{mgr.vault.store.prefix}/{chunk_key(c['id'])}" in new_chunks)
+        assert_same_state({"a_new": new, "b_old": old}, mgr.restore(2))
+
+
+def test_a_found_chunk_that_gc_collects_before_it_is_protected_is_written_after_all(rgw: Gateway,
+                                                                                      s3_url: str) -> None:
+    """Between the 412 that says a chunk is there and the touch that protects it, a concurrent gc may delete it
+    (here: deleted when the touch is sent). The save then writes the chunk itself and commits a checkpoint
+    that restores exactly."""
+    from ckptvault.save import PROBE_MISSES
+
+    old, new = torch.randn(4 * 16384), torch.randn((PROBE_MISSES + 2) * 16384)
+    with CheckpointManager(s3_url, storage_options=rgw.options(), chunk_size=64 << 10, workers=1,
+                           async_save=False) as mgr:
+        mgr.save(1, {"b_old": old})
+        old_chunks = _chunk_keys(mgr.vault.store, mgr.manifest(1))
+        mgr.delete(1)
+        collected: list[str] = []
+        other = rgw.client()
+
+        def collect_first_touched(params: dict[str, Any], **_: Any) -> None:
+            if not collected:
+                collected.append(params["Key"])
+                other.delete_object(Bucket=params["Bucket"], Key=params["Key"])
+
+        store = mgr.vault.store
+        store.client.meta.events.register("before-parameter-build.s3.CopyObject", collect_first_touched)
+        sent = _requests_by_key(store)
+        mgr.save(2, {"a_new": new, "b_old": old})
+        assert collected and collected[0] in old_chunks
+        assert [op for op, k in sent if k == collected[0]][:4] == ["PutObject", "CopyObject", "PutObject", "HeadObject"]
+        assert mgr.verify().ok
+        assert_same_state({"a_new": new, "b_old": old}, mgr.restore(2))

@@ -73,6 +73,12 @@ def _full(planes: BytePlanes, raw: memoryview, parts: list[Any]) -> tuple[ChunkH
     return ChunkHeader(codec=[], raw=len(raw)), raw
 
 
+#: on a store where asking whether a chunk exists is a request (S3), a save stops asking for chunks that no
+#: manifest it read names once this many such probes in a row found nothing, and asks again after a write
+#: finds a chunk there (``_ChunkWriter._should_probe``)
+PROBE_MISSES = 8
+
+
 def pack_threshold(chunk_size: int) -> int:
     """Arrays smaller than this share chunks with other small arrays."""
     return chunk_size // 4
@@ -107,6 +113,7 @@ class _ChunkWriter:
         self.cache = delta.cache  # a keyframe save fills it (it ignores adds otherwise); delta saves read it
         self._claimed: dict[str, threading.Event] = {}
         self._done: dict[str, tuple[int, str | None]] = {}
+        self._misses = 0  # probes in a row that found nothing
         self._lock = threading.Lock()
 
     def _raw(self, plan: ChunkPlan) -> memoryview:
@@ -135,19 +142,44 @@ class _ChunkWriter:
         return ChunkResult(cid, len(raw), stored, created, stored_base)
 
     def _store(self, cid: str, raw: memoryview, plan: ChunkPlan, base: BaseRef | None) -> tuple[bool, int, str | None]:
-        """Encode and write the chunk unless the vault has it. Returns (created, stored size, delta base)."""
+        """Encode and write the chunk unless the vault has it. Returns (created, stored size, delta base).
+
+        Whether the vault has it is asked first (the probe) where :meth:`_should_probe` says so; otherwise the
+        create-if-absent write answers it, after sending the chunk."""
         store, key = self.vault.store, chunk_key(cid)
-        try:
-            size = store.stat(key).size
-            self.guard.protect(store, cid)  # the reused chunk must outlive this save
-            return False, size, self._existing_base(cid)
-        except ObjectNotFoundError:
-            pass  # absent, or collected between stat() and touch(): write it
+        if self._should_probe(cid):
+            try:
+                size = store.stat(key).size
+                self._probed(found=True)
+                self.guard.protect(store, cid)  # the reused chunk must outlive this save
+                return False, size, self._existing_base(cid)
+            except ObjectNotFoundError:
+                self._probed(found=False)  # absent, or collected between stat() and touch(): write it
         header, payload = self._encode(cid, raw, plan, base)
         parts = object_parts(header, payload)
         if self.batch.put_parts_if_absent(key, parts):  # the batch copies the parts (of scratch memory) out
             return True, _size(parts), header.base
+        self._probed(found=True)  # the vault had a chunk this save did not expect: probe again
+        try:
+            self.guard.protect(store, cid)  # reused after all: it must outlive this save too
+        except ObjectNotFoundError:  # collected since the write found it there: write it after all
+            if self.batch.put_parts_if_absent(key, parts):
+                return True, _size(parts), header.base
         return False, store.stat(key).size, self._existing_base(cid)
+
+    def _should_probe(self, cid: str) -> bool:
+        """Whether to ask the store for ``cid`` before encoding and writing it: always where a probe is cheap
+        (a local ``stat``) or the chunk is named by a manifest this save read; on a store where a probe is a
+        request, only until ``PROBE_MISSES`` probes in a row found nothing (a new state's chunks are almost all
+        new, and a chunk that is there after all costs one upload that the store refuses)."""
+        if getattr(self.vault.store, "cheap_stat", True) or cid in self.known_bases:
+            return True
+        with self._lock:
+            return self._misses < PROBE_MISSES
+
+    def _probed(self, found: bool) -> None:
+        with self._lock:
+            self._misses = 0 if found else self._misses + 1
 
     def _encode(self, cid: str, raw: memoryview, plan: ChunkPlan, base: BaseRef | None) -> tuple[ChunkHeader, Payload]:
         """Encode in full, or against ``base`` plane by plane where XOR with the base's plane compresses better.

@@ -45,6 +45,9 @@ class Store(abc.ABC):
 
     #: human-readable location, used in error messages
     url: str
+    #: whether :meth:`stat` is cheap next to sending an object (a local ``stat``, not a request): saves then
+    #: ask for every chunk before writing it (``save.PROBE_MISSES``)
+    cheap_stat: bool = True
 
     @abc.abstractmethod
     def get(self, key: str) -> bytes:
