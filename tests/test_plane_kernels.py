@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -64,3 +68,29 @@ def test_kernels_on_unaligned_memory(typesize: int) -> None:
     np.testing.assert_array_equal(planes, np.frombuffer(raw, np.uint8)[:whole].reshape(-1, typesize).T)
     out = np.empty(len(raw) + 1, np.uint8)[1:]
     assert assemble(list(planes), tail, out).tobytes() == raw
+
+
+def test_a_manager_loads_the_kernels_in_the_background_that_saves_and_restores_use(tmp_path: Path) -> None:
+    """In a fresh interpreter, opening a CheckpointManager loads every split and join kernel on a background
+    thread; a save and a restore of 2-, 4- and 8-byte elements then load nothing more."""
+    script = f"""
+import torch
+from ckptvault import CheckpointManager
+from ckptvault.codecs import plane_kernels as k, planes
+
+with CheckpointManager({str(tmp_path / "vault")!r}, async_save=False) as mgr:
+    mgr._loading_kernels.join()
+    names = [f"_{{kind}}{{size}}" for kind in ("split", "join") for size in (2, 4, 8)]
+    loaded = {{name: len(getattr(k, name).signatures) for name in names}}
+    assert all(n == 1 for n in loaded.values()), loaded
+    assert planes.load_kernels_in_background() is None  # loaded: nothing to start
+    state = {{"h": torch.randn(50_000).bfloat16(), "f": torch.randn(50_000), "d": torch.randn(50_000).double()}}
+    mgr.save(1, state)
+    back = mgr.restore(1)
+    assert all(torch.equal(back[key], value) for key, value in state.items())
+    after = {{name: len(getattr(k, name).signatures) for name in loaded}}
+    assert after == loaded, (loaded, after)
+print("ok")
+"""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]

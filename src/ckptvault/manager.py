@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from .codecs import DEFAULT_CODEC
+from .codecs.planes import load_kernels_in_background
 from .delta import DeltaPolicy
 from .errors import StepExistsError, VaultNotFoundError
 from .format.manifest import manifest_key
@@ -99,6 +100,7 @@ class CheckpointManager(MaintenanceMixin):
         self._saver = Saver(self.vault, self.delta_policy, async_save=async_save, on_busy=on_busy,
                             max_staging_bytes=max_staging_bytes, after_commit=self._after_commit,
                             safety=SafetyPolicy(on_unsafe, max_flushed), cache_keyframe=cache_keyframe)
+        self._loading_kernels = load_kernels_in_background()  # the first save would otherwise wait ~1 s for numba
 
     # -- saving ------------------------------------------------------------
     def save(
@@ -215,6 +217,8 @@ class CheckpointManager(MaintenanceMixin):
         try:
             self._saver.close()
         finally:
+            if self._loading_kernels is not None:
+                self._loading_kernels.join()  # not left importing numba while the interpreter exits
             self.vault.close()
 
     def __enter__(self) -> CheckpointManager:

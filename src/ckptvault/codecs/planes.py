@@ -42,6 +42,36 @@ def _plane_kernels() -> Any:
         _kernels = kernels
     return _kernels or None
 
+def load_kernels_in_background() -> threading.Thread | None:
+    """Import ``plane_kernels`` and load every split and join kernel on a daemon thread; returns the thread,
+    or None where they are loaded already (or numba is missing).
+
+    The first use of the kernels in a process imports numba and loads their compiled code from numba's
+    cache: about a second here, mostly holding the GIL, so without this the first save or restore of a
+    process stalls every worker for it. A caller that opens a vault well before its first save (a training
+    script) pays it in the background instead. Safe to call any number of times."""
+    global _loading
+    with _loading_lock:
+        if _kernels is not None or (_loading is not None and _loading.is_alive()):
+            return None
+        _loading = threading.Thread(target=_load_kernels, name="ckptvault-load-kernels", daemon=True)
+        _loading.start()
+        return _loading
+
+
+def _load_kernels() -> None:
+    kernels = _plane_kernels()
+    if kernels is None:
+        return
+    for wide in _UINT.values():  # each element size is its own compiled kernel, loaded on its first call
+        words, planes = np.zeros(1, wide), np.zeros((np.dtype(wide).itemsize, 1), np.uint8)
+        kernels.split(words, planes)
+        kernels.join(list(planes), words)
+
+
+_loading: threading.Thread | None = None
+_loading_lock = threading.Lock()
+
 _COMPRESSED = 1 << 31
 XOR_BASE = 1 << 30
 _LENGTH = XOR_BASE - 1
