@@ -143,14 +143,35 @@ def _cast_block_exact(xs, qs, half):  # type: ignore[no-untyped-def]
 
 
 @njit(inline="always")
+def _cast_block_fast(xs, qs, half):  # type: ignore[no-untyped-def]
+    """Cast one block, summing the error as if every value were finite; returns (max_bits, err_sq, ref_sq,
+    zeros, smallest non-zero magnitude, largest magnitude), magnitudes as bits. The sums are those of
+    :data:`Sums` only if the magnitudes lie in the ordinary range."""
+    max_bits, err_sq, ref_sq = _U32(0), 0.0, 0.0
+    smallest, largest, zeros = _U32(0xFFFFFFFF), _U32(0), _U32(0)
+    for i in range(xs.size):
+        u = xs[i]
+        stored, restored = _cast_value(u, half)
+        qs[i] = np.uint16(stored)
+        diff = _as_float(restored) - _as_float(u)
+        max_bits = max(max_bits, _U32(_as_bits(diff) & _MAG))
+        err_sq += np.float64(diff) * np.float64(diff)
+        ref_sq += np.float64(_as_float(u)) * np.float64(_as_float(u))
+        mag = _U32(u & _MAG)
+        largest = max(largest, mag)
+        smallest = min(smallest, mag if mag != _U32(0) else _U32(0xFFFFFFFF))
+        zeros = _count(zeros, mag == _U32(0))
+    return max_bits, err_sq, ref_sq, zeros, smallest, largest
+
+
+@njit(inline="always")
 def _cast(x, q, half):  # type: ignore[no-untyped-def]
     """The body of :func:`cast_bf16` (``half`` False) and :func:`cast_fp16` (``half`` True, a constant).
 
-    Each block of ``_BLOCK`` values is cast in a fast pass that sums the error and finds the smallest
-    non-zero and the largest magnitude; if both lie in the ordinary range (no value can flush, overflow,
-    or be inf or NaN), the block's counts follow from its zeros alone. Otherwise the block is cast again by
-    :func:`_cast_block_exact`, which counts every case (same stored bits), and so are the next
-    :data:`_EXACT_RUN` blocks, without a fast pass.
+    Each block of ``_BLOCK`` values is cast by :func:`_cast_block_fast`; if its smallest non-zero and largest
+    magnitudes lie in the ordinary range (no value can flush, overflow, or be inf or NaN), its counts follow
+    from its zeros alone. Otherwise the block is cast again by :func:`_cast_block_exact`, which counts every
+    case (same stored bits), and so are the next :data:`_EXACT_RUN` blocks, without a fast pass.
     """
     lower, upper = _ORDINARY_HALF if half else _ORDINARY_BF16
     max_bits, err_sq, ref_sq = _U32(0), 0.0, 0.0
@@ -160,32 +181,16 @@ def _cast(x, q, half):  # type: ignore[no-untyped-def]
         xs, qs = x[start : start + _BLOCK], q[start : start + _BLOCK]
         if exact_left:
             exact_left -= 1
-            m, e, a, c, f, o, n = _cast_block_exact(xs, qs, half)
-            max_bits, err_sq, ref_sq = max(max_bits, m), err_sq + e, ref_sq + a
-            nonzero, flushed, overflow, nan = nonzero + c, flushed + f, overflow + o, nan + n
-            continue
-        b_max, b_err, b_ref = _U32(0), 0.0, 0.0
-        smallest, largest, zeros = _U32(0xFFFFFFFF), _U32(0), _U32(0)
-        for i in range(xs.size):
-            u = xs[i]
-            stored, restored = _cast_value(u, half)
-            qs[i] = np.uint16(stored)
-            diff = _as_float(restored) - _as_float(u)
-            b_max = max(b_max, _U32(_as_bits(diff) & _MAG))
-            b_err += np.float64(diff) * np.float64(diff)
-            b_ref += np.float64(_as_float(u)) * np.float64(_as_float(u))
-            mag = _U32(u & _MAG)
-            largest = max(largest, mag)
-            smallest = min(smallest, mag if mag != _U32(0) else _U32(0xFFFFFFFF))
-            zeros = _count(zeros, mag == _U32(0))
-        if lower < smallest and largest < upper:
-            max_bits, err_sq, ref_sq = max(max_bits, b_max), err_sq + b_err, ref_sq + b_ref
-            nonzero += xs.size - zeros
         else:
+            m, e, a, zeros, smallest, largest = _cast_block_fast(xs, qs, half)
+            if lower < smallest and largest < upper:
+                max_bits, err_sq, ref_sq = max(max_bits, m), err_sq + e, ref_sq + a
+                nonzero += xs.size - zeros
+                continue
             exact_left = _EXACT_RUN
-            m, e, a, c, f, o, n = _cast_block_exact(xs, qs, half)
-            max_bits, err_sq, ref_sq = max(max_bits, m), err_sq + e, ref_sq + a
-            nonzero, flushed, overflow, nan = nonzero + c, flushed + f, overflow + o, nan + n
+        m, e, a, c, f, o, n = _cast_block_exact(xs, qs, half)
+        max_bits, err_sq, ref_sq = max(max_bits, m), err_sq + e, ref_sq + a
+        nonzero, flushed, overflow, nan = nonzero + c, flushed + f, overflow + o, nan + n
     return max_bits, err_sq, ref_sq, nonzero, flushed, overflow, nan
 
 

@@ -42,9 +42,15 @@ def _plane_kernels() -> Any:
         _kernels = kernels
     return _kernels or None
 
+
+_loading: threading.Thread | None = None  # the thread load_kernels_in_background started
+_loading_lock = threading.Lock()
+
+
 def load_kernels_in_background() -> threading.Thread | None:
     """Import ``plane_kernels`` and load every split and join kernel on a daemon thread; returns the thread,
-    or None where they are loaded already (or numba is missing).
+    or None where the module is imported already (a save or restore then loads what it uses) or being
+    imported, or numba is missing.
 
     The first use of the kernels in a process imports numba and loads their compiled code from numba's
     cache: about a second here, mostly holding the GIL, so without this the first save or restore of a
@@ -68,9 +74,6 @@ def _load_kernels() -> None:
         kernels.split(words, planes)
         kernels.join(list(planes), words)
 
-
-_loading: threading.Thread | None = None
-_loading_lock = threading.Lock()
 
 _COMPRESSED = 1 << 31
 XOR_BASE = 1 << 30
