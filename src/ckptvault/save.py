@@ -172,7 +172,7 @@ class _ChunkWriter:
         (a local ``stat``) or the chunk is named by a manifest this save read; on a store where a probe is a
         request, only until ``PROBE_MISSES`` probes in a row found nothing (a new state's chunks are almost all
         new, and a chunk that is there after all costs one upload that the store refuses)."""
-        if getattr(self.vault.store, "cheap_stat", True) or cid in self.known_bases:
+        if self.vault.store.cheap_stat or cid in self.known_bases:
             return True
         with self._lock:
             return self._misses < PROBE_MISSES

@@ -48,7 +48,7 @@ class FaultyStore(Store):
                  error: type[StorageError] = RetryableStorageError) -> None:
         self.inner, self.fail, self.stall, self.stall_s = inner, fail, stall, stall_s
         self.methods, self.keys, self.error = set(methods), keys, error
-        self.url = inner.url
+        self.url, self.cheap_stat = inner.url, inner.cheap_stat  # saves probe it as they would probe ``inner``
         self.enabled = True
         self.counts: Counter[str] = Counter()
         self._rng = random.Random(seed)
