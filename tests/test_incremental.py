@@ -8,6 +8,7 @@ several chunks; arrays of at least 16 KiB get chunks of their own, smaller ones 
 from __future__ import annotations
 
 import copy
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,7 @@ import torch
 from torch import nn
 
 from ckptvault import CheckpointManager
+from ckptvault.delta import KeyframeCache
 from ckptvault.errors import CorruptChunkError, InvalidArgumentError, PermanentStorageError
 from ckptvault.format.chunk_object import chunk_key, parse_object
 from ckptvault.gc import collect
@@ -555,16 +557,67 @@ def test_the_next_keyframe_reuses_the_cache_memory_and_its_deltas_use_the_new_pl
         def buffers() -> set[int]:
             return {kept.ctypes.data for _typesize, kept in cache._chunks.values()}
 
-        mgr.save(0, states[0]).wait()
+        mgr.save(0, states[0])
+        mgr.wait()  # the save and the cache filled after its commit
         first = buffers()
         mgr.save(1, states[1]).wait()
-        mgr.save(2, states[2]).wait()  # a keyframe: the same shapes, so the same memory
+        mgr.save(2, states[2])  # a keyframe: the same shapes, so the same memory
+        mgr.wait()
         assert mgr.manifest(2)["keyframe_step"] == 2 and buffers() == first
         store.read.clear()
         mgr.save(3, states[3]).wait()  # a delta against step 2's planes, not step 0's
         assert store.chunk_bytes_read() == 0
         assert {c["base"] for c in delta_chunks(mgr.manifest(3))} <= {c["id"] for c in mgr.manifest(2)["chunks"]}
         assert len(delta_chunks(mgr.manifest(3))) >= 8
+        assert_restores_exactly(mgr, states)
+
+
+def test_a_keyframe_save_reports_its_commit_before_it_fills_the_keyframe_cache(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Filling the cache (splitting and copying half the state) runs after the commit: a save's wait() does not
+    pay for it, and the next save waits for it before staging over the bytes it copies."""
+    states = mlp_states(2, lr=1e-3)
+    release, filling = threading.Event(), threading.Event()
+    kept = KeyframeCache._kept
+
+    def gated(cache: KeyframeCache, raw: memoryview, typesize: int) -> Any:
+        filling.set()
+        assert release.wait(30), "the test never released the fill"
+        return kept(cache, raw, typesize)
+
+    monkeypatch.setattr(KeyframeCache, "_kept", gated)
+    store = CountingStore(tmp_path / "v")
+    with CheckpointManager(store, chunk_size=CHUNK) as mgr:
+        cache = mgr._saver._keyframe_cache
+        info = mgr.save(0, states[0]).wait(timeout=20)  # returns while the fill is held
+        assert info is not None and info.step == 0 and mgr.steps() == [0]
+        assert filling.wait(20) and cache.nbytes == 0
+        release.set()
+        mgr.wait()
+        assert cache.nbytes == sum(c["raw"] for c in mgr.manifest(0)["chunks"]) // 2
+        store.read.clear()
+        mgr.save(1, states[1]).wait()
+        assert delta_chunks(mgr.manifest(1)) and store.chunk_bytes_read() == 0
+        assert_restores_exactly(mgr, states)
+
+
+def test_a_keyframe_cache_that_cannot_be_filled_costs_its_deltas_reads_not_the_save(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    states = mlp_states(2, lr=1e-3)
+
+    def out_of_memory(cache: KeyframeCache, raw: memoryview, typesize: int) -> Any:
+        raise MemoryError("injected: no memory for the keyframe cache")
+
+    monkeypatch.setattr(KeyframeCache, "_kept", out_of_memory)
+    store = CountingStore(tmp_path / "v")
+    with CheckpointManager(store, chunk_size=CHUNK) as mgr:
+        mgr.save(0, states[0]).wait()
+        mgr.wait()
+        assert mgr._saver._keyframe_cache.nbytes == 0
+        assert "could not keep keyframe 0 in the keyframe cache (MemoryError: injected" in caplog.text
+        store.read.clear()
+        mgr.save(1, states[1]).wait()  # a delta all the same, against the keyframe read back
+        assert delta_chunks(mgr.manifest(1)) and store.chunk_bytes_read() > 0
         assert_restores_exactly(mgr, states)
 
 

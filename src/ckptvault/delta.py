@@ -84,15 +84,20 @@ class KeyframeCache:
     optimizer did not touch), when it reads the whole base instead.
 
     Call order, one save at a time: :meth:`begin` when a keyframe save starts (frees the previous
-    keyframe's planes first), :meth:`add` per chunk, then :meth:`commit` once its manifest is committed or
-    :meth:`abort`; :meth:`clear` frees it all. Only a committed keyframe's planes are ever used.
-    Thread-safe for the chunk writers of one save.
+    keyframe's planes first), :meth:`add` per chunk (it only notes the chunk's bytes), then, once its
+    manifest is committed, :meth:`commit`, which splits and copies the noted chunks' planes; or :meth:`abort`.
+    :meth:`clear` frees it all. Only a committed keyframe's planes are ever used. The bytes :meth:`add` noted
+    must stay unchanged until :meth:`commit` returns (the staging buffer, or a state the caller is not yet
+    allowed to modify): the saver commits the cache after the save's handle reports the commit, before the
+    next save may stage, so filling it costs a save's wait nothing. Thread-safe for the chunk writers of
+    one save.
     """
 
     def __init__(self) -> None:
         self._chunks: dict[str, tuple[int, np.ndarray]] = {}  # chunk id -> (typesize, kept x n high planes)
         self._step: int | None = None  # the committed keyframe the planes belong to
         self._filling: int | None = None
+        self._noted: dict[str, tuple[int, memoryview]] = {}  # chunk id -> (typesize, bytes), until commit
         self._spare: dict[tuple[int, int], list[np.ndarray]] = {}  # the previous keyframe's arrays, by shape
         self._lock = threading.Lock()
 
@@ -102,42 +107,49 @@ class KeyframeCache:
         with self._lock:
             for _typesize, kept in self._chunks.values():
                 self._spare.setdefault(kept.shape, []).append(kept)
-            self._chunks, self._step, self._filling = {}, None, step
+            self._chunks, self._noted, self._step, self._filling = {}, {}, None, step
 
     @property
     def filling(self) -> bool:
         """Whether a keyframe save is filling the cache (between :meth:`begin` and :meth:`commit`/:meth:`abort`)."""
         return self._filling is not None
 
-    def add(self, cid: str, raw: memoryview, typesize: int, planes: np.ndarray | None = None) -> None:
-        """Keep the high planes of chunk ``cid`` (``raw``, elements of ``typesize`` bytes) if a keyframe save
-        is filling the cache. ``planes``: ``split_planes(raw, typesize)[0]`` if the caller has it (they are
-        copied), else the chunk is split here. A chunk already kept is not split again."""
-        if self._filling is None or cid in self._chunks:
+    def add(self, cid: str, raw: memoryview, typesize: int) -> None:
+        """Note chunk ``cid`` (``raw``, elements of ``typesize`` bytes) for :meth:`commit` to keep, if a keyframe
+        save is filling the cache; nothing is copied yet."""
+        if self._filling is None:
             return
-        if planes is None:
-            planes = split_planes(raw, typesize, scratch(len(raw), "planes"))[0]  # this thread's; copied below
-        high = planes[typesize - kept_planes(typesize):]
         with self._lock:
-            spare = self._spare.get(high.shape)
-            kept = spare.pop() if spare else None
-        kept = high.copy() if kept is None else _copied(high, kept)
-        with self._lock:
-            self._chunks[cid] = (typesize, kept)
+            self._noted.setdefault(cid, (typesize, raw))
 
     def commit(self, step: int) -> None:
-        if self._filling == step:
-            with self._lock:
-                self._step, self._filling, self._spare = step, None, {}
+        """Keep the high planes of every chunk noted for keyframe ``step`` (now committed) and make them usable.
+        On any error (MemoryError) the cache is left empty and the error raised: deltas then read the store."""
+        if self._filling != step:
+            return
+        try:
+            for cid, (typesize, raw) in self._noted.items():
+                self._chunks[cid] = (typesize, self._kept(raw, typesize))
+        except BaseException:
+            self.abort()
+            raise
+        with self._lock:
+            self._step, self._filling, self._noted, self._spare = step, None, {}, {}
+
+    def _kept(self, raw: memoryview, typesize: int) -> np.ndarray:
+        """The high planes of ``raw``, in a spare array of the previous keyframe where one has their shape."""
+        planes = split_planes(raw, typesize, scratch(len(raw), "planes"))[0]  # this thread's; copied below
+        high = planes[typesize - kept_planes(typesize):]
+        spare = self._spare.get(high.shape)
+        return _copied(high, spare.pop()) if spare else high.copy()
 
     def abort(self) -> None:
-        if self._filling is not None:
-            with self._lock:
-                self._chunks, self._filling, self._spare = {}, None, {}
+        with self._lock:
+            self._chunks, self._noted, self._filling, self._spare = {}, {}, None, {}
 
     def clear(self) -> None:
         with self._lock:
-            self._chunks, self._step, self._filling, self._spare = {}, None, None, {}
+            self._chunks, self._noted, self._step, self._filling, self._spare = {}, {}, None, None, {}
 
     def planes(self, keyframe_step: int | None, cid: str, typesize: int) -> list[np.ndarray | None] | None:
         """The byte planes of chunk ``cid`` of committed keyframe ``keyframe_step``, if cached with ``typesize``:

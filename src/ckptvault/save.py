@@ -28,7 +28,6 @@ import numpy as np
 
 from . import __version__
 from .codecs import BytePlanes, PlaneDelta, chain_for
-from .codecs.planes import scratch, split_planes
 from .delta import BaseRef, DeltaContext, find_bases
 from .delta_io import base_planes_for_save
 from .errors import CorruptChunkError, InvalidArgumentError, ObjectNotFoundError, SaveError, StepExistsError
@@ -135,7 +134,7 @@ class _ChunkWriter:
         else:
             self._wait_for_claim(cid)
             created, (stored, stored_base) = False, self._done[cid]
-        if self.cache is not None:  # a keyframe save keeps every chunk's planes (an encoded one handed them over)
+        if self.cache is not None:  # a keyframe save notes every chunk for the cache (it ignores this otherwise)
             self.cache.add(cid, raw, plan.itemsize)
         if self.progress:
             self.progress(len(raw))
@@ -205,10 +204,6 @@ class _ChunkWriter:
                 if uses_base and _size(parts) < len(raw):
                     return ChunkHeader(codec=[stage.spec()], raw=len(raw), base=base.id), parts
                 return _full(planes, raw, parts)  # no plane XORed: a plain planes payload
-        if self.cache is not None and self.cache.filling:  # split once, for the encoding and the cache
-            split = split_planes(raw, planes.typesize, scratch(len(raw), "planes"))
-            self.cache.add(cid, raw, planes.typesize, split[0])
-            return _full(planes, raw, planes.encode_parts(raw, split))
         return _full(planes, raw, planes.encode_parts(raw))
 
     def _base_planes(self, base_id: str, typesize: int) -> list[np.ndarray | None]:

@@ -3,8 +3,9 @@
 Order of calls for one save: ``Saver.submit`` (caller's thread: raise any
 unreported error of an earlier save, wait for or skip a save in flight,
 take the snapshot) -> ``_complete`` (background thread when asynchronous:
-choose the delta base, write chunks, commit the manifest, run the after-commit
-hook such as retention). At most one save is in flight per Saver, so staging
+choose the delta base, write chunks, commit the manifest, report the commit on
+the handle, fill the keyframe cache, run the after-commit hook such as
+retention). At most one save is in flight per Saver, so staging
 memory is bounded by one copy of the state; the keyframe cache (by default for
 asynchronous saves) holds the high half of the latest keyframe's bytes on top.
 
@@ -129,8 +130,6 @@ class Saver:
             manifest = build_manifest(request.step, snapshot, chunks, pieces, request.metrics, request.metadata,
                                       delta.keyframe_step, delta.since_keyframe)
             commit(self.vault, request.step, manifest, request.overwrite, delta.guard)
-            if self._keyframe_cache is not None:
-                self._keyframe_cache.commit(request.step)
         except BaseException as caught:  # noqa: BLE001 - handed to the caller, not swallowed
             if self._keyframe_cache is not None:
                 self._keyframe_cache.abort()
@@ -142,6 +141,7 @@ class Saver:
             handle.committed.set_exception(exc)
             return
         handle.committed.set_result(info_from_manifest(manifest))
+        self._commit_keyframe_cache(request.step)
         if self.after_commit is not None:
             try:
                 self.after_commit(request.step)
@@ -149,6 +149,18 @@ class Saver:
                 log.error("after-commit step (retention) of step %d failed: %s", request.step, exc)
                 with self._lock:
                     self._error = _typed(exc, f"step {request.step} was committed, but the retention that runs after it failed")
+
+    def _commit_keyframe_cache(self, step: int) -> None:
+        """Fill the keyframe cache from committed keyframe ``step``'s chunks (if it was filling). This runs after
+        the save's handle reports the commit, so it adds nothing to the wait for it, and before the next save may
+        stage (that waits for this whole task). A failure costs later deltas their cache, never this save."""
+        if self._keyframe_cache is None:
+            return
+        try:
+            self._keyframe_cache.commit(step)
+        except Exception as exc:  # noqa: BLE001 - the save is committed; deltas read the keyframe from the store
+            log.warning("could not keep keyframe %d in the keyframe cache (%s: %s); its deltas will read it back",
+                        step, type(exc).__name__, exc)
 
     def raise_pending(self) -> None:
         """Raise (once) the error of a background save nobody has been told about."""

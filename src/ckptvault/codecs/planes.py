@@ -164,11 +164,10 @@ class BytePlanes(BytesStage):
     def encode(self, data: memoryview) -> bytes:
         return b"".join(self.encode_parts(data))
 
-    def encode_parts(self, data: memoryview, split: tuple[np.ndarray, np.ndarray] | None = None) -> list[Buffer]:
+    def encode_parts(self, data: memoryview) -> list[Buffer]:
         """The payload of :meth:`encode` as a list of buffers, for a caller that joins it with more bytes.
-        The buffers may view this thread's scratch memory (or ``split``): join them before this thread encodes
-        again. ``split``: ``split_planes(data, typesize)`` if the caller has it already."""
-        planes, tail = split or split_planes(data, self.typesize, scratch(len(data), "planes"))
+        The buffers may view this thread's scratch memory: join them before this thread encodes again."""
+        planes, tail = split_planes(data, self.typesize, scratch(len(data), "planes"))
         return self.pack_parts([self.store_plane(memoryview(plane)) for plane in planes], tail)
 
     def pack_parts(self, planes: list[StoredPlane], tail: np.ndarray | memoryview) -> list[Buffer]:
