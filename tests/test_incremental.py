@@ -580,10 +580,10 @@ def test_a_keyframe_save_reports_its_commit_before_it_fills_the_keyframe_cache(
     release, filling = threading.Event(), threading.Event()
     kept = KeyframeCache._kept
 
-    def gated(cache: KeyframeCache, raw: memoryview, typesize: int) -> Any:
+    def gated(cache: KeyframeCache, item: Any) -> Any:
         filling.set()
         assert release.wait(30), "the test never released the fill"
-        return kept(cache, raw, typesize)
+        return kept(cache, item)
 
     monkeypatch.setattr(KeyframeCache, "_kept", gated)
     store = CountingStore(tmp_path / "v")
@@ -605,7 +605,7 @@ def test_a_keyframe_cache_that_cannot_be_filled_costs_its_deltas_reads_not_the_s
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     states = mlp_states(2, lr=1e-3)
 
-    def out_of_memory(cache: KeyframeCache, raw: memoryview, typesize: int) -> Any:
+    def out_of_memory(cache: KeyframeCache, item: Any) -> Any:
         raise MemoryError("injected: no memory for the keyframe cache")
 
     monkeypatch.setattr(KeyframeCache, "_kept", out_of_memory)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -39,6 +40,7 @@ from .errors import InvalidArgumentError, ObjectNotFoundError, StepNotFoundError
 from .format.manifest import manifest_key
 from .guard import ManifestGuard
 from .layout import ChunkPlan
+from .parallel import map_all
 from .snapshot import ArrayRecord
 
 if TYPE_CHECKING:
@@ -122,26 +124,31 @@ class KeyframeCache:
         with self._lock:
             self._noted.setdefault(cid, (typesize, raw))
 
-    def commit(self, step: int) -> None:
-        """Keep the high planes of every chunk noted for keyframe ``step`` (now committed) and make them usable.
-        On any error (MemoryError) the cache is left empty and the error raised: deltas then read the store."""
+    def commit(self, step: int, pool: ThreadPoolExecutor | None = None) -> None:
+        """Keep the high planes of every chunk noted for keyframe ``step`` (now committed) and make them usable;
+        the chunks are split and copied on ``pool`` if given. On any error (MemoryError) the cache is left empty
+        and the error raised: deltas then read the store."""
         if self._filling != step:
             return
+        noted = list(self._noted.items())
         try:
-            for cid, (typesize, raw) in self._noted.items():
-                self._chunks[cid] = (typesize, self._kept(raw, typesize))
+            kept = map_all(pool, self._kept, noted) if pool is not None else [self._kept(item) for item in noted]
         except BaseException:
             self.abort()
             raise
         with self._lock:
+            self._chunks = {cid: (typesize, planes) for (cid, (typesize, _raw)), planes in zip(noted, kept, strict=True)}
             self._step, self._filling, self._noted, self._spare = step, None, {}, {}
 
-    def _kept(self, raw: memoryview, typesize: int) -> np.ndarray:
-        """The high planes of ``raw``, in a spare array of the previous keyframe where one has their shape."""
+    def _kept(self, item: tuple[str, tuple[int, memoryview]]) -> np.ndarray:
+        """The high planes of a noted chunk, in a spare array of the previous keyframe where one has their shape."""
+        _cid, (typesize, raw) = item
         planes = split_planes(raw, typesize, scratch(len(raw), "planes"))[0]  # this thread's; copied below
         high = planes[typesize - kept_planes(typesize):]
-        spare = self._spare.get(high.shape)
-        return _copied(high, spare.pop()) if spare else high.copy()
+        with self._lock:
+            spare = self._spare.get(high.shape)
+            into = spare.pop() if spare else None
+        return high.copy() if into is None else _copied(high, into)
 
     def abort(self) -> None:
         with self._lock:

@@ -151,13 +151,14 @@ class Saver:
                     self._error = _typed(exc, f"step {request.step} was committed, but the retention that runs after it failed")
 
     def _commit_keyframe_cache(self, step: int) -> None:
-        """Fill the keyframe cache from committed keyframe ``step``'s chunks (if it was filling). This runs after
-        the save's handle reports the commit, so it adds nothing to the wait for it, and before the next save may
-        stage (that waits for this whole task). A failure costs later deltas their cache, never this save."""
+        """Fill the keyframe cache from committed keyframe ``step``'s chunks (if it was filling), on the vault's
+        threads. This runs after the save's handle reports the commit, so it adds nothing to the wait for it, and
+        before the next save may stage (that waits for this whole task). A failure costs later deltas their
+        cache, never this save."""
         if self._keyframe_cache is None:
             return
         try:
-            self._keyframe_cache.commit(step)
+            self._keyframe_cache.commit(step, self.vault.pool)
         except Exception as exc:  # noqa: BLE001 - the save is committed; deltas read the keyframe from the store
             log.warning("could not keep keyframe %d in the keyframe cache (%s: %s); its deltas will read it back",
                         step, type(exc).__name__, exc)
