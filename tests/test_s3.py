@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from ckptvault import CheckpointManager
-from ckptvault.errors import InvalidArgumentError, PermanentStorageError, RetryableStorageError, StepNotFoundError
+from ckptvault.errors import InvalidArgumentError, PermanentStorageError, RetryableStorageError, SaveError, StepNotFoundError
 from ckptvault.format.chunk_object import chunk_key
 from ckptvault.stores import Store, open_store
 from ckptvault.stores.conformance import StoreConformance
@@ -465,10 +465,11 @@ def test_demo_workflow_on_s3(rgw: Gateway, s3_url: str) -> None:
 
 # -- probes before writes ------------------------------------------------------------------------------------------
 def _requests_by_key(store: S3Store) -> list[tuple[str, str]]:
-    """(operation, object key) of every request the store's client sends from now on."""
+    """(operation, object key or listed prefix) of every request the store's client sends from now on."""
     sent: list[tuple[str, str]] = []
     store.client.meta.events.register(
-        "before-parameter-build.s3", lambda model, params, **_: sent.append((model.name, params.get("Key", ""))))
+        "before-parameter-build.s3",
+        lambda model, params, **_: sent.append((model.name, params.get("Key", params.get("Prefix", "")))))
     return sent
 
 
@@ -478,7 +479,7 @@ def _chunk_keys(store: S3Store, manifest: dict[str, Any]) -> set[str]:
 
 def test_a_new_save_stops_probing_once_probes_keep_missing(rgw: Gateway, s3_url: str) -> None:
     """On S3 a save asks whether a chunk exists (a HEAD) only until PROBE_MISSES such probes in a row found
-    nothing; the commit still checks every chunk it names."""
+    nothing; the commit still checks every chunk it names, with one listing of this small vault's chunks."""
     from ckptvault.save import PROBE_MISSES
 
     state = {"w": torch.randn(48 * 16384)}  # 48 chunks of 64 KiB
@@ -490,7 +491,8 @@ def test_a_new_save_stops_probing_once_probes_keep_missing(rgw: Gateway, s3_url:
         heads = [k for op, k in sent if op == "HeadObject" and k in chunks]
         puts = [k for op, k in sent if op == "PutObject" and k in chunks]
         assert len(chunks) == 48 and sorted(puts) == sorted(chunks)
-        assert len(heads) == PROBE_MISSES + len(chunks)  # probes of the first chunks, then the commit's check
+        assert len(heads) == PROBE_MISSES  # probes of the first chunks
+        assert sent.count(("ListObjectsV2", f"{mgr.vault.store.prefix}/chunks/")) == 1  # the commit's check
         assert_same_state(state, mgr.restore(1))
 
 
@@ -515,11 +517,83 @@ def test_a_save_that_finds_chunks_it_did_not_expect_reuses_them_and_probes_again
         assert len(old_chunks) == len(new_chunks) == 16
         assert count["PutObject", "new"] == 16 and count["PutObject", "old"] == 1  # the refused one
         assert count["CopyObject", "old"] == 16  # every reused chunk that no manifest names is touched, the refused one too
-        assert count["HeadObject", "new"] == PROBE_MISSES + 16  # probes, then the commit's check
-        assert count["HeadObject", "old"] == 15 + 16 + 1  # probes again, the commit's check, the refused one's size
+        assert count["HeadObject", "new"] == PROBE_MISSES  # probes (the commit lists the chunks)
+        assert count["HeadObject", "old"] == 15 + 1  # probes again, the refused one's size
         assert mgr.info(2).added_bytes == sum(c["stored"] for c in mgr.manifest(2)["chunks"]
                                               if f"{mgr.vault.store.prefix}/{chunk_key(c['id'])}" in new_chunks)
         assert_same_state({"a_new": new, "b_old": old}, mgr.restore(2))
+
+
+def test_the_commit_check_lists_as_far_as_that_is_cheaper_then_asks_for_the_chunks_past_it(
+        rgw: Gateway, s3_url: str) -> None:
+    """In a vault with many more chunks than a save names (here garbage of a deleted checkpoint), the commit's
+    existence check stops listing after LIST_PER_PROBE keys per chunk it checks and sends a HEAD for each
+    chunk whose key lies past the last key listed, and for no other."""
+    from ckptvault.save import LIST_PER_PROBE, PROBE_MISSES
+
+    with CheckpointManager(s3_url, storage_options=rgw.options(), chunk_size=64 << 10, workers=1,
+                           async_save=False) as mgr:
+        mgr.save(1, {"old": torch.randn(64 * 16384)})  # 64 chunks of 64 KiB
+        mgr.delete(1)
+        state = {"new": torch.randn(4 * 16384)}  # 4 chunks: the listing stops after 40 of the 68 keys
+        store = mgr.vault.store
+        sent = _requests_by_key(store)
+        mgr.save(2, state)
+        assert sent.count(("ListObjectsV2", f"{store.prefix}/chunks/")) == 1
+        chunks = sorted(_chunk_keys(store, mgr.manifest(2)))
+        listed = sorted(f"{store.prefix}/{info.key}" for info in store.list("chunks/"))
+        reached = listed[LIST_PER_PROBE * len(chunks) - 1]
+        heads = collections.Counter(k for op, k in sent if op == "HeadObject" and "/chunks/" in k)
+        assert len(listed) == 68 and len(chunks) == 4 <= PROBE_MISSES  # every new chunk was probed once
+        assert heads == {k: 1 + (k > reached) for k in chunks}
+        assert any(k > reached for k in chunks) and any(k <= reached for k in chunks)  # both ways, with this seed
+        assert_same_state(state, mgr.restore(2))
+
+
+@pytest.mark.parametrize("vault", ["small", "large"])
+def test_a_chunk_deleted_before_the_commit_fails_the_save_whether_listed_or_asked_for(
+        rgw: Gateway, s3_url: str, vault: str) -> None:
+    """A gc (here: another client) deletes one of the save's chunks just before its commit check: the check
+    finds it missing, by the listing in a small vault, by a HEAD past the listing in a large one; nothing is
+    committed, and the save succeeds when retried."""
+    from ckptvault.save import LIST_PER_PROBE
+
+    torch.manual_seed(3)
+    with CheckpointManager(s3_url, storage_options=rgw.options(), chunk_size=64 << 10, workers=1,
+                           async_save=False) as mgr:
+        if vault == "large":
+            mgr.save(1, {"old": torch.randn(64 * 16384)})
+            mgr.delete(1)
+        state = {"new": torch.randn(4 * 16384)}
+        store, other, deleted = mgr.vault.store, rgw.client(), []
+        prefix = f"{store.prefix}/chunks/"
+
+        def chunk_keys() -> list[str]:
+            return sorted(o["Key"] for o in other.list_objects_v2(Bucket=BUCKET, Prefix=prefix).get("Contents", []))
+
+        garbage = chunk_keys()
+
+        def collect_one(params: dict[str, Any], **_: Any) -> None:
+            if deleted or params.get("Prefix") != prefix:  # the commit's check, not a listing of manifests
+                return
+            listed = chunk_keys()
+            new = [k for k in listed if k not in garbage]
+            reached = listed[min(len(listed), LIST_PER_PROBE * len(new)) - 1]
+            victim = new[-1] if vault == "large" else new[0]
+            assert (victim > reached) is (vault == "large")
+            other.delete_object(Bucket=params["Bucket"], Key=victim)
+            deleted.append(victim)
+
+        store.client.meta.events.register("before-parameter-build.s3.ListObjectsV2", collect_one)
+        sent = _requests_by_key(store)
+        with pytest.raises(SaveError, match="1 chunks of step 2 .* were removed by a concurrent gc before it committed"):
+            mgr.save(2, state)
+        assert deleted and mgr.steps() == []
+        after_listing = sent[sent.index(("ListObjectsV2", prefix)):]
+        assert after_listing.count(("HeadObject", deleted[0])) == (vault == "large")  # asked for only past the listing
+        store.client.meta.events.unregister("before-parameter-build.s3.ListObjectsV2", collect_one)
+        mgr.save(2, state)
+        assert_same_state(state, mgr.restore(2))
 
 
 def test_a_found_chunk_that_gc_collects_before_it_is_protected_is_written_after_all(rgw: Gateway,
@@ -548,6 +622,7 @@ def test_a_found_chunk_that_gc_collects_before_it_is_protected_is_written_after_
         sent = _requests_by_key(store)
         mgr.save(2, {"a_new": new, "b_old": old})
         assert collected and collected[0] in old_chunks
-        assert [op for op, k in sent if k == collected[0]][:4] == ["PutObject", "CopyObject", "PutObject", "HeadObject"]
+        sent_for_it = [op for op, k in sent if k == collected[0]]
+        assert sent_for_it[:3] == ["PutObject", "CopyObject", "PutObject"] and "HeadObject" not in sent_for_it
         assert mgr.verify().ok
         assert_same_state({"a_new": new, "b_old": old}, mgr.restore(2))

@@ -32,7 +32,7 @@ from .delta import BaseRef, DeltaContext, find_bases
 from .delta_io import base_planes_for_save
 from .errors import CorruptChunkError, InvalidArgumentError, ObjectNotFoundError, SaveError, StepExistsError
 from .format import FORMAT_VERSION
-from .format.chunk_object import ChunkHeader, chunk_id, chunk_key, object_parts
+from .format.chunk_object import CHUNKS_PREFIX, ChunkHeader, chunk_id, chunk_key, object_parts
 from .format.manifest import MANIFEST_FORMAT, encode_manifest, manifest_key
 from .guard import ManifestGuard
 from .layout import ChunkPlan, LeafSpec, Piece, plan_chunks
@@ -76,6 +76,10 @@ def _full(planes: BytePlanes, raw: memoryview, parts: list[Any]) -> tuple[ChunkH
 #: manifest it read names once this many such probes in a row found nothing, and asks again after a write
 #: finds a chunk there (``_ChunkWriter._should_probe``)
 PROBE_MISSES = 8
+
+#: where asking whether a chunk exists is a request (S3), the commit's existence check lists the chunk keys
+#: instead while it has listed fewer than this many keys per chunk it checks (``missing_chunks``)
+LIST_PER_PROBE = 10
 
 
 def pack_threshold(chunk_size: int) -> int:
@@ -327,8 +331,7 @@ def commit(vault: Vault, step: int, manifest: dict[str, Any], overwrite: bool, g
     if guard is not None:
         guard.ensure(vault.store, vault.pool)
     needed = sorted({c["id"] for c in manifest["chunks"]} | {c["base"] for c in manifest["chunks"] if c.get("base")})
-    present = map_all(vault.pool, lambda cid: vault.store.exists(chunk_key(cid)), needed)
-    missing = [cid for cid, ok in zip(needed, present) if not ok]
+    missing = missing_chunks(vault, needed)
     if missing:
         raise SaveError(
             f"{len(missing)} chunks of step {step} (such as {missing[0]}) were removed by a concurrent gc before it "
@@ -341,6 +344,30 @@ def commit(vault: Vault, step: int, manifest: dict[str, Any], overwrite: bool, g
     elif not vault.store.put_if_absent(key, data):
         raise StepExistsError(step, vault.url)
     log.info("committed step %d to %s (%d bytes added)", step, vault.url, manifest["added_bytes"])
+
+
+def missing_chunks(vault: Vault, ids: list[str]) -> list[str]:
+    """The chunks of ``ids`` the store does not hold now, in the order of ``ids``.
+
+    Where asking for one is cheap (a local ``stat``) each is asked for. Where it is a request (S3: a HEAD,
+    about 1.3 ms of client CPU), the chunk keys are listed first, while the listing stays cheaper
+    (``LIST_PER_PROBE`` keys per chunk checked; a listed key costs about 0.1 ms). If the listing ended, a
+    chunk it did not show is missing; if it was stopped, the chunks it did not show are asked for. A listed
+    key and an answered probe say the same: the object existed when the store answered.
+    """
+    store = vault.store
+    if not store.cheap_stat and ids:
+        wanted = {chunk_key(cid): cid for cid in ids}
+        for listed, info in enumerate(store.list(CHUNKS_PREFIX)):
+            if listed == LIST_PER_PROBE * len(ids):
+                break
+            wanted.pop(info.key, None)
+        else:  # the listing ended: whatever it did not show is missing
+            unseen = set(wanted.values())
+            return [cid for cid in ids if cid in unseen]
+        ids = [cid for cid in ids if chunk_key(cid) in wanted]  # not shown before the listing stopped: ask
+    present = map_all(vault.pool, lambda cid: store.exists(chunk_key(cid)), ids)
+    return [cid for cid, ok in zip(ids, present, strict=True) if not ok]
 
 
 def check_step(step: Any) -> int:

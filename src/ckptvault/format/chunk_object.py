@@ -39,9 +39,13 @@ def chunk_id(raw: bytes | memoryview) -> str:
     return blake3.blake3(memoryview(raw).cast("B")).hexdigest()
 
 
+#: every chunk object's key starts with this
+CHUNKS_PREFIX = "chunks/"
+
+
 def chunk_key(cid: str) -> str:
-    """Storage key of a chunk; a two-hex-digit fan-out keeps directories small."""
-    return f"chunks/{cid[:2]}/{cid}"
+    """Storage key of a chunk; a two-hex-digit fan-out keeps directories small (and keys sort as ids do)."""
+    return f"{CHUNKS_PREFIX}{cid[:2]}/{cid}"
 
 
 @dataclass(frozen=True)
