@@ -493,13 +493,35 @@ def test_cast_kernels_count_every_special_value_whichever_block_it_falls_in(half
     whole = cast(bits, q)
     assert tuple(whole[3:]) == expected_counts and expected_counts[1] >= 3 and expected_counts[2] == 2
     assert np.uint32(whole[0]).view(np.float32) == float(diff.abs().max())
-    assert whole[1] == pytest.approx(float((diff * diff).sum()), rel=1e-9)
-    assert whole[2] == pytest.approx(float((x[finite].double() ** 2).sum()), rel=1e-9)
+    assert whole[1] == pytest.approx(float((diff * diff).sum()), rel=1e-6)  # ordinary blocks sum in float32
+    assert whole[2] == pytest.approx(float((x[finite].double() ** 2).sum()), rel=1e-6)
     assert torch.equal(torch.from_numpy(q.view(np.int16)), x.to(torch.float16 if half else torch.bfloat16).view(torch.int16))
     split = 3 * block + 123
     first, second = cast(bits[:split], q[:split]), cast(bits[split:], q[split:])
     assert tuple(whole[3:]) == tuple(a + b for a, b in zip(first[3:], second[3:]))
-    assert whole[1] == pytest.approx(first[1] + second[1], rel=1e-9) and whole[0] == max(first[0], second[0])
+    assert whole[1] == pytest.approx(first[1] + second[1], rel=1e-6) and whole[0] == max(first[0], second[0])
+
+
+@pytest.mark.parametrize("scale", [2.0**30, 2.0**24, 2.0**23, 2.0**-71, 2.0**-72, 2.0**-110, 1e-4],
+                         ids=["2^30", "2^24", "2^23", "2^-71", "2^-72", "2^-110", "1e-4"])
+def test_bf16_error_sums_keep_float64_accuracy_at_every_magnitude(scale: float) -> None:
+    """The fast pass sums a block's squares in float32 (scaled by 2^32), only where they stay normal and their
+    sum finite (:data:`_FLOAT32_SUMS`); blocks of larger or smaller values sum in float64. At each magnitude,
+    in blocks that are all such values and in one ordinary block around a single such value, the sums equal
+    float64 sums of the float32 differences to 1e-6."""
+    block = lossy_kernels._BLOCK
+    gen = np.random.default_rng(7)
+    uniform = (gen.uniform(1.0, 2.0, 4 * block) * scale).astype(np.float32)
+    mixed = (gen.standard_normal(4 * block) * 0.02).astype(np.float32)
+    mixed[block + 17] = np.float32(scale)
+    for values in (uniform, mixed):
+        x = torch.from_numpy(values)
+        diff = (x.to(torch.bfloat16).float() - x).double()
+        q = np.empty(values.size, np.uint16)
+        sums = lossy_kernels.cast_bf16(values.view(np.uint32), q)
+        assert sums[1] == pytest.approx(float((diff * diff).sum()), rel=1e-6) and sums[1] > 0
+        assert sums[2] == pytest.approx(float((x.double() ** 2).sum()), rel=1e-6)
+        assert tuple(sums[3:]) == (values.size, 0, 0, 0)
 
 
 _FMAX = float(np.finfo(np.float32).max)

@@ -8,7 +8,8 @@ that :func:`ckptvault.lossy.measure` reports, as a :data:`Sums` tuple:
 
 * ``max_abs_bits``: the bit pattern of the largest ``|restored - original|`` over finite originals (compared
   as integers, which orders non-negative floats; a NaN difference is larger than any number, as in torch);
-* ``err_sq``, ``ref_sq``: float64 sums of squared errors and of squared originals, over finite originals;
+* ``err_sq``, ``ref_sq``: sums of squared errors and of squared originals, over finite originals, in float64
+  (the bf16/fp16 fast pass sums each block in float32, to about 1e-6 relative);
 * counts of finite non-zero originals, of those restored as zero, of finite originals restored as ±inf,
   and of non-NaN originals restored as NaN.
 
@@ -45,6 +46,13 @@ _BLOCK = 4096  # values per block of the cast kernels' fast pass (a block's coun
 #: the smallest subnormal and next to the largest finite value.
 _ORDINARY_BF16 = (_U32(0x00008000), _U32(0x7F7F8000))
 _ORDINARY_HALF = (_U32(0x33000000), _U32(0x477FF000))
+#: the fast pass sums squares in float32, of values and differences scaled by 2^32 (exact), and only blocks
+#: whose magnitudes lie strictly between these bounds (2^-72 and 2^24, as bits) keep those sums: there a
+#: scaled square is a normal float32 (a non-zero difference is at least one float32 ulp of its value, so at
+#: least 2^-95 before scaling) and a block's 4096 squares sum to below 2^124. float16's ordinary range lies
+#: inside; for bfloat16 it narrows the range in which a block takes the fast pass.
+_FLOAT32_SUMS = (_U32(0x1B7FFFFF), _U32(0x4B800000))
+_SCALE, _UNSCALE = np.float32(2.0**32), 2.0**-64
 #: blocks cast exactly, without a fast pass, after a block that needed the exact cast: where special values
 #: are common (fp16 on Adam's moments flushes many) a fast pass would mostly be wasted
 _EXACT_RUN = 8
@@ -144,10 +152,10 @@ def _cast_block_exact(xs, qs, half):  # type: ignore[no-untyped-def]
 
 @njit(inline="always")
 def _cast_block_fast(xs, qs, half):  # type: ignore[no-untyped-def]
-    """Cast one block, summing the error as if every value were finite; returns (max_bits, err_sq, ref_sq,
-    zeros, smallest non-zero magnitude, largest magnitude), magnitudes as bits. The sums are those of
-    :data:`Sums` only if the magnitudes lie in the ordinary range."""
-    max_bits, err_sq, ref_sq = _U32(0), 0.0, 0.0
+    """Cast one block, summing the error as if every value were finite, in float32; returns (max_bits, err_sq,
+    ref_sq, zeros, smallest non-zero magnitude, largest magnitude), magnitudes as bits. The sums are those of
+    :data:`Sums` only if the magnitudes lie in the ordinary range and in :data:`_FLOAT32_SUMS`."""
+    max_bits, err_sq, ref_sq = _U32(0), np.float32(0.0), np.float32(0.0)
     smallest, largest, zeros = _U32(0xFFFFFFFF), _U32(0), _U32(0)
     for i in range(xs.size):
         u = xs[i]
@@ -155,13 +163,14 @@ def _cast_block_fast(xs, qs, half):  # type: ignore[no-untyped-def]
         qs[i] = np.uint16(stored)
         diff = _as_float(restored) - _as_float(u)
         max_bits = max(max_bits, _U32(_as_bits(diff) & _MAG))
-        err_sq += np.float64(diff) * np.float64(diff)
-        ref_sq += np.float64(_as_float(u)) * np.float64(_as_float(u))
+        scaled_diff, scaled = diff * _SCALE, _as_float(u) * _SCALE  # float32 sums: twice the vector lanes
+        err_sq += scaled_diff * scaled_diff
+        ref_sq += scaled * scaled
         mag = _U32(u & _MAG)
         largest = max(largest, mag)
         smallest = min(smallest, mag if mag != _U32(0) else _U32(0xFFFFFFFF))
         zeros = _count(zeros, mag == _U32(0))
-    return max_bits, err_sq, ref_sq, zeros, smallest, largest
+    return max_bits, np.float64(err_sq) * _UNSCALE, np.float64(ref_sq) * _UNSCALE, zeros, smallest, largest
 
 
 @njit(inline="always")
@@ -169,11 +178,13 @@ def _cast(x, q, half):  # type: ignore[no-untyped-def]
     """The body of :func:`cast_bf16` (``half`` False) and :func:`cast_fp16` (``half`` True, a constant).
 
     Each block of ``_BLOCK`` values is cast by :func:`_cast_block_fast`; if its smallest non-zero and largest
-    magnitudes lie in the ordinary range (no value can flush, overflow, or be inf or NaN), its counts follow
-    from its zeros alone. Otherwise the block is cast again by :func:`_cast_block_exact`, which counts every
-    case (same stored bits), and so are the next :data:`_EXACT_RUN` blocks, without a fast pass.
+    magnitudes lie in the ordinary range (no value can flush, overflow, or be inf or NaN) and in the range of
+    its float32 sums, its counts follow from its zeros alone. Otherwise the block is cast again by
+    :func:`_cast_block_exact`, which counts every case (same stored bits) and sums in float64, and so are the
+    next :data:`_EXACT_RUN` blocks, without a fast pass.
     """
-    lower, upper = _ORDINARY_HALF if half else _ORDINARY_BF16
+    ordinary = _ORDINARY_HALF if half else _ORDINARY_BF16
+    lower, upper = max(ordinary[0], _FLOAT32_SUMS[0]), min(ordinary[1], _FLOAT32_SUMS[1])
     max_bits, err_sq, ref_sq = _U32(0), 0.0, 0.0
     nonzero = flushed = overflow = nan = 0
     exact_left = 0  # blocks to cast exactly without a fast pass: special blocks come in runs
