@@ -524,6 +524,26 @@ def test_bf16_error_sums_keep_float64_accuracy_at_every_magnitude(scale: float) 
         assert tuple(sums[3:]) == (values.size, 0, 0, 0)
 
 
+@pytest.mark.parametrize(("scale", "block"), [
+    (2.0**30, 256), (2.0**24, 256), (2.0**23, 256), (2.0**-59, 256), (2.0**-60, 256), (2.0**-100, 256), (1e-4, 256),
+    (1.5 * 2.0**23, 1 << 20), (1e-4, 1 << 13)],
+    ids=["2^30", "2^24", "2^23", "2^-59", "2^-60", "2^-100", "1e-4", "2^23 in blocks of 2^20", "blocks of 2^13"])
+def test_int8_error_sums_keep_float64_accuracy_at_every_magnitude(scale: float, block: int) -> None:
+    """int8 blocks of at most _BLOCK values whose magnitudes lie in _INT8_FLOAT32_SUMS sum their squares in
+    float32; larger blocks and other magnitudes in float64. Either way the sums equal the float64 reference
+    to 1e-6, for blocks all at one magnitude and for ordinary blocks holding one such value."""
+    gen = np.random.default_rng(8)
+    uniform = torch.from_numpy((gen.uniform(1.0, 2.0, 2 * block) * scale).astype(np.float32))
+    mixed = torch.from_numpy((gen.standard_normal(2 * block) * 0.02).astype(np.float32))
+    mixed[block + 5] = scale
+    spec = lossy.LossySpec("int8-block", block)
+    for x in (uniform, mixed):
+        encoded = lossy.encode(x, spec)
+        reference = lossy.measure(x, lossy.decode(spec, encoded.parts, x.dtype, list(x.shape)))
+        for key, value in reference.items():
+            assert encoded.error[key] == pytest.approx(value, rel=1e-6, nan_ok=True), key
+
+
 _FMAX = float(np.finfo(np.float32).max)
 
 

@@ -9,7 +9,7 @@ that :func:`ckptvault.lossy.measure` reports, as a :data:`Sums` tuple:
 * ``max_abs_bits``: the bit pattern of the largest ``|restored - original|`` over finite originals (compared
   as integers, which orders non-negative floats; a NaN difference is larger than any number, as in torch);
 * ``err_sq``, ``ref_sq``: sums of squared errors and of squared originals, over finite originals, in float64
-  (the bf16/fp16 fast pass sums each block in float32, to about 1e-6 relative);
+  (the fast passes sum each block in float32, to about 1e-6 relative);
 * counts of finite non-zero originals, of those restored as zero, of finite originals restored as ±inf,
   and of non-NaN originals restored as NaN.
 
@@ -60,6 +60,10 @@ _EXACT_RUN = 8
 #: smaller in magnitude restore finite values (at most |value| + 2 x the block's largest difference < 2^127),
 #: so their quantisation needs no overflow or NaN counts
 _INT8_ORDINARY = _U32(0x7E000000)
+#: int8 blocks (of at most ``_BLOCK`` values, not residuals) whose non-zero magnitudes lie strictly between
+#: these bounds (2^-60 and 2^24, as bits) sum their squares in float32, scaled like the casts' (a non-zero
+#: error is at least 2^-24 of the smaller of the value and the scale, absmax / 127, so at least 2^-91)
+_INT8_FLOAT32_SUMS = (_U32(0x1D7FFFFF), _U32(0x4B800000))
 
 
 @intrinsic
@@ -256,12 +260,33 @@ def _quantise_int8_ordinary(xs, bs, qs, s, divisor, residual):  # type: ignore[n
 
 
 @njit(inline="always")
+def _quantise_int8_float32_sums(xs, qs, s, divisor):  # type: ignore[no-untyped-def]
+    """:func:`_quantise_int8_ordinary` (not of residuals) with float32 sums, for a block whose magnitudes lie in
+    :data:`_INT8_FLOAT32_SUMS`: there every scaled square is a normal float32 and their sum is finite."""
+    max_bits, err_sq, ref_sq = _U32(0), np.float32(0.0), np.float32(0.0)
+    nonzero = flushed = _U32(0)
+    for i in range(xs.size):
+        r = min(max(np.rint(xs[i] / divisor), np.float32(-127.0)), np.float32(127.0))
+        qs[i] = np.int8(r)
+        restored = r * s
+        diff = restored - xs[i]
+        max_bits = max(max_bits, _U32(_as_bits(diff) & _MAG))
+        scaled_diff, scaled = diff * _SCALE, xs[i] * _SCALE
+        err_sq += scaled_diff * scaled_diff
+        ref_sq += scaled * scaled
+        counted = xs[i] != np.float32(0.0)
+        nonzero, flushed = _count(nonzero, counted), _count(flushed, counted and restored == np.float32(0.0))
+    return max_bits, np.float64(err_sq) * _UNSCALE, np.float64(ref_sq) * _UNSCALE, nonzero, flushed, _U32(0), _U32(0)
+
+
+@njit(inline="always")
 def _quantise_int8(x, base, block, q, scale, residual):  # type: ignore[no-untyped-def]
     """The body of :func:`quantise_int8` and :func:`quantise_int8_residual` (``residual`` is a constant).
 
     A block whose largest magnitude (of its values and, for residuals, of its differences) is below
-    :data:`_INT8_ORDINARY` is quantised by :func:`_quantise_int8_ordinary`, any other by
-    :func:`_quantise_int8_exact`; both store the same values and sum the same error.
+    :data:`_INT8_ORDINARY` is quantised by :func:`_quantise_int8_ordinary` (by
+    :func:`_quantise_int8_float32_sums` if its magnitudes also lie in :data:`_INT8_FLOAT32_SUMS`), any other by
+    :func:`_quantise_int8_exact`; all store the same values and sum the same error (float32 sums to about 1e-6).
     """
     max_bits, err_sq, ref_sq = _U32(0), 0.0, 0.0
     nonzero = flushed = overflow = nan = 0
@@ -269,15 +294,21 @@ def _quantise_int8(x, base, block, q, scale, residual):  # type: ignore[no-untyp
         # each block through slices: loops over range(lo, hi) of the whole arrays do not vectorise
         xs, bs, qs = x[k * block : (k + 1) * block], base[k * block : (k + 1) * block], q[k * block : (k + 1) * block]
         absmax_bits = largest = _U32(0)  # as integers, NaN > inf > any number: the NaN propagates, as in torch.amax
+        smallest = _U32(0xFFFFFFFF)  # of the non-zero values' magnitudes (not of residuals)
         for i in range(xs.size):
             v = xs[i] - bs[i] if residual else xs[i]
-            absmax_bits = max(absmax_bits, _U32(_as_bits(v) & _MAG))
+            mag = _U32(_as_bits(v) & _MAG)
+            absmax_bits = max(absmax_bits, mag)
             if residual:
                 largest = max(largest, _U32(_as_bits(xs[i]) & _MAG))
+            else:
+                smallest = min(smallest, mag if mag != _U32(0) else _U32(0xFFFFFFFF))
         s = _as_float(absmax_bits) / np.float32(127.0)
         scale[k] = s
         divisor = s if s > 0 else np.float32(1.0)
-        if absmax_bits < _INT8_ORDINARY and largest < _INT8_ORDINARY:
+        if not residual and xs.size <= _BLOCK and _INT8_FLOAT32_SUMS[0] < smallest and absmax_bits < _INT8_FLOAT32_SUMS[1]:
+            m, e, a, c, f, o, n = _quantise_int8_float32_sums(xs, qs, s, divisor)
+        elif absmax_bits < _INT8_ORDINARY and largest < _INT8_ORDINARY:
             m, e, a, c, f, o, n = _quantise_int8_ordinary(xs, bs, qs, s, divisor, residual)
         else:
             m, e, a, c, f, o, n = _quantise_int8_exact(xs, bs, qs, s, divisor, residual)
