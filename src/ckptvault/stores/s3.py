@@ -208,12 +208,13 @@ class S3Store(Store):
     def put_parts_if_absent(self, key: str, parts: list[Any]) -> bool:
         """Create-if-absent of the concatenation of ``parts``, sent as they lie (:class:`PayloadReader`):
         a chunk's header and encoded planes go out without being joined into one object first."""
-        full, body = self._key(key), PayloadReader(parts)
+        full = self._key(key)
         if not self.options.conditional_writes:
             if self.exists(key):
                 return False
             self._put(full, parts)
             return True
+        body = PayloadReader(parts)
         if len(body) > MAX_SINGLE_PUT:
             return self._multipart_if_absent(key, full, body.flat())
         for attempt in range(self.options.max_attempts):
