@@ -31,7 +31,7 @@ from .errors import (
     StepExistsError,
     StepNotFoundError,
 )
-from .format.chunk_object import chunk_key
+from .format.chunk_object import CHUNKS_PREFIX, chunk_key
 from .format.manifest import manifest_key
 from .parallel import map_all
 from .stores import Store
@@ -97,8 +97,8 @@ def plan_copy(src: Vault, dst: Vault, steps: list[int] | None = None, *, overwri
         if step not in committed:
             raise StepNotFoundError(step, src.url, committed)
     plan = CopyPlan(src.url, dst.url)
-    have = {info.key: info.size for info in dst.store.list("chunks/")} if dst.descriptor() else {}
-    sizes = {info.key: info.size for info in src.store.list("chunks/")}
+    have = {info.key: info.size for info in dst.store.list(CHUNKS_PREFIX)} if dst.descriptor() else {}
+    sizes = {info.key: info.size for info in src.store.list(CHUNKS_PREFIX)}
     for item in map_all(src.pool, lambda s: _step_copy(src, s), chosen):
         if _holds_same_manifest(dst, item, overwrite):
             plan.skipped.append(item.step)

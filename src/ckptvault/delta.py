@@ -111,11 +111,6 @@ class KeyframeCache:
                 self._spare.setdefault(kept.shape, []).append(kept)
             self._chunks, self._noted, self._step, self._filling = {}, {}, None, step
 
-    @property
-    def filling(self) -> bool:
-        """Whether a keyframe save is filling the cache (between :meth:`begin` and :meth:`commit`/:meth:`abort`)."""
-        return self._filling is not None
-
     def add(self, cid: str, raw: memoryview, typesize: int) -> None:
         """Note chunk ``cid`` (``raw``, elements of ``typesize`` bytes) for :meth:`commit` to keep, if a keyframe
         save is filling the cache; nothing is copied yet."""

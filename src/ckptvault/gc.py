@@ -44,6 +44,7 @@ from .errors import (
     StepNotFoundError,
     StorageError,
 )
+from .format.chunk_object import CHUNKS_PREFIX
 from .format.manifest import step_of_key
 from .pins import PINS_PREFIX, parse_pin_key
 from .retention import DEFAULT_GRACE
@@ -120,7 +121,7 @@ def plan_gc(vault: Vault, grace: float = DEFAULT_GRACE) -> GCPlan:
     vault.require()
     store = vault.store
     now, clock = store_now(store)
-    chunks = [i for i in store.list("chunks/") if _CHUNK_KEY_RE.match(i.key)]
+    chunks = [i for i in store.list(CHUNKS_PREFIX) if _CHUNK_KEY_RE.match(i.key)]
     listed = manifest_infos(store)
     live, _ = mark(vault, listed)
     plan = GCPlan(now, grace, clock, live, {i.key: (i.size, i.mtime) for i in listed}, [], len(chunks))

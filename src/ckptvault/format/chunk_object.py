@@ -44,7 +44,7 @@ CHUNKS_PREFIX = "chunks/"
 
 
 def chunk_key(cid: str) -> str:
-    """Storage key of a chunk; a two-hex-digit fan-out keeps directories small (and keys sort as ids do)."""
+    """Storage key of a chunk; a two-hex-digit fan-out keeps directories small."""
     return f"{CHUNKS_PREFIX}{cid[:2]}/{cid}"
 
 
