@@ -240,10 +240,12 @@ def _quantise_int8_exact(xs, bs, qs, s, divisor, residual):  # type: ignore[no-u
 
 
 @njit(inline="always")
-def _quantise_int8_ordinary(xs, bs, qs, s, divisor, residual):  # type: ignore[no-untyped-def]
+def _quantise_int8_ordinary(xs, bs, qs, s, divisor, residual, zero, scale):  # type: ignore[no-untyped-def]
     """:func:`_quantise_int8_exact` of a block whose values, residuals and restored values are all finite (see
-    :data:`_INT8_ORDINARY`): nothing overflows or is NaN, so only zeros and flushes are counted."""
-    max_bits, err_sq, ref_sq = _U32(0), 0.0, 0.0
+    :data:`_INT8_ORDINARY`): nothing overflows or is NaN, so only zeros and flushes are counted. The squares are
+    of the values and errors times ``scale`` and summed in the type of ``zero``: float64 with scale 1, or, for a
+    block in :data:`_INT8_FLOAT32_SUMS`, float32 with :data:`_SCALE` (twice the vector lanes)."""
+    max_bits, err_sq, ref_sq = _U32(0), zero, zero
     nonzero = flushed = _U32(0)
     for i in range(xs.size):
         v = xs[i] - bs[i] if residual else xs[i]
@@ -252,31 +254,13 @@ def _quantise_int8_ordinary(xs, bs, qs, s, divisor, residual):  # type: ignore[n
         restored = bs[i] + r * s if residual else r * s
         diff = restored - xs[i]
         max_bits = max(max_bits, _U32(_as_bits(diff) & _MAG))
-        err_sq += np.float64(diff) * np.float64(diff)
-        ref_sq += np.float64(xs[i]) * np.float64(xs[i])
-        counted = xs[i] != np.float32(0.0)
-        nonzero, flushed = _count(nonzero, counted), _count(flushed, counted and restored == np.float32(0.0))
-    return max_bits, err_sq, ref_sq, nonzero, flushed, _U32(0), _U32(0)
-
-
-@njit(inline="always")
-def _quantise_int8_float32_sums(xs, qs, s, divisor):  # type: ignore[no-untyped-def]
-    """:func:`_quantise_int8_ordinary` (not of residuals) with float32 sums, for a block whose magnitudes lie in
-    :data:`_INT8_FLOAT32_SUMS`: there every scaled square is a normal float32 and their sum is finite."""
-    max_bits, err_sq, ref_sq = _U32(0), np.float32(0.0), np.float32(0.0)
-    nonzero = flushed = _U32(0)
-    for i in range(xs.size):
-        r = min(max(np.rint(xs[i] / divisor), np.float32(-127.0)), np.float32(127.0))
-        qs[i] = np.int8(r)
-        restored = r * s
-        diff = restored - xs[i]
-        max_bits = max(max_bits, _U32(_as_bits(diff) & _MAG))
-        scaled_diff, scaled = diff * _SCALE, xs[i] * _SCALE
+        scaled_diff, scaled = diff * scale, xs[i] * scale
         err_sq += scaled_diff * scaled_diff
         ref_sq += scaled * scaled
         counted = xs[i] != np.float32(0.0)
         nonzero, flushed = _count(nonzero, counted), _count(flushed, counted and restored == np.float32(0.0))
-    return max_bits, np.float64(err_sq) * _UNSCALE, np.float64(ref_sq) * _UNSCALE, nonzero, flushed, _U32(0), _U32(0)
+    unscale = 1.0 / (np.float64(scale) * np.float64(scale))
+    return max_bits, np.float64(err_sq) * unscale, np.float64(ref_sq) * unscale, nonzero, flushed, _U32(0), _U32(0)
 
 
 @njit(inline="always")
@@ -284,9 +268,9 @@ def _quantise_int8(x, base, block, q, scale, residual):  # type: ignore[no-untyp
     """The body of :func:`quantise_int8` and :func:`quantise_int8_residual` (``residual`` is a constant).
 
     A block whose largest magnitude (of its values and, for residuals, of its differences) is below
-    :data:`_INT8_ORDINARY` is quantised by :func:`_quantise_int8_ordinary` (by
-    :func:`_quantise_int8_float32_sums` if its magnitudes also lie in :data:`_INT8_FLOAT32_SUMS`), any other by
-    :func:`_quantise_int8_exact`; all store the same values and sum the same error (float32 sums to about 1e-6).
+    :data:`_INT8_ORDINARY` is quantised by :func:`_quantise_int8_ordinary` (summing in float32 if its
+    magnitudes also lie in :data:`_INT8_FLOAT32_SUMS`), any other by :func:`_quantise_int8_exact`; all store
+    the same values and sum the same error (float32 sums to about 1e-6).
     """
     max_bits, err_sq, ref_sq = _U32(0), 0.0, 0.0
     nonzero = flushed = overflow = nan = 0
@@ -307,9 +291,9 @@ def _quantise_int8(x, base, block, q, scale, residual):  # type: ignore[no-untyp
         scale[k] = s
         divisor = s if s > 0 else np.float32(1.0)
         if not residual and xs.size <= _BLOCK and _INT8_FLOAT32_SUMS[0] < smallest and absmax_bits < _INT8_FLOAT32_SUMS[1]:
-            m, e, a, c, f, o, n = _quantise_int8_float32_sums(xs, qs, s, divisor)
+            m, e, a, c, f, o, n = _quantise_int8_ordinary(xs, bs, qs, s, divisor, residual, np.float32(0.0), _SCALE)
         elif absmax_bits < _INT8_ORDINARY and largest < _INT8_ORDINARY:
-            m, e, a, c, f, o, n = _quantise_int8_ordinary(xs, bs, qs, s, divisor, residual)
+            m, e, a, c, f, o, n = _quantise_int8_ordinary(xs, bs, qs, s, divisor, residual, 0.0, 1.0)
         else:
             m, e, a, c, f, o, n = _quantise_int8_exact(xs, bs, qs, s, divisor, residual)
         max_bits, err_sq, ref_sq = max(max_bits, m), err_sq + e, ref_sq + a
