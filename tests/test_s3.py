@@ -482,6 +482,8 @@ def test_a_new_save_stops_probing_once_probes_keep_missing(rgw: Gateway, s3_url:
     nothing; the commit still checks every chunk it names, with one listing of this small vault's chunks."""
     from ckptvault.save import PROBE_MISSES
 
+    torch.manual_seed(1)  # fixed chunk ids: the commit check's estimate lists this small vault
+
     state = {"w": torch.randn(48 * 16384)}  # 48 chunks of 64 KiB
     with CheckpointManager(s3_url, storage_options=rgw.options(), chunk_size=64 << 10, workers=1,
                            async_save=False) as mgr:
@@ -492,7 +494,9 @@ def test_a_new_save_stops_probing_once_probes_keep_missing(rgw: Gateway, s3_url:
         puts = [k for op, k in sent if op == "PutObject" and k in chunks]
         assert len(chunks) == 48 and sorted(puts) == sorted(chunks)
         assert len(heads) == PROBE_MISSES  # probes of the first chunks
-        assert sent.count(("ListObjectsV2", f"{mgr.vault.store.prefix}/chunks/")) == 1  # the commit's check
+        prefix = mgr.vault.store.prefix
+        assert [k for op, k in sent if op == "ListObjectsV2" and "/chunks/" in k] == [
+            f"{prefix}/chunks/00/", f"{prefix}/chunks/"]  # the commit's check: the estimate, then the listing
         assert_same_state(state, mgr.restore(1))
 
 
@@ -502,6 +506,8 @@ def test_a_save_that_finds_chunks_it_did_not_expect_reuses_them_and_probes_again
     protects it from gc (a touch, as for any reused chunk nobody names) and probes again, so the others are
     found without being sent. The checkpoint restores exactly and adds only the new chunks."""
     from ckptvault.save import PROBE_MISSES
+
+    torch.manual_seed(7)  # fixed chunk ids: the commit check's estimate lists this small vault
 
     old, new = torch.randn(16 * 16384), torch.randn(16 * 16384)  # 16 chunks of 64 KiB each
     with CheckpointManager(s3_url, storage_options=rgw.options(), chunk_size=64 << 10, workers=1,
@@ -524,76 +530,76 @@ def test_a_save_that_finds_chunks_it_did_not_expect_reuses_them_and_probes_again
         assert_same_state({"a_new": new, "b_old": old}, mgr.restore(2))
 
 
-def test_the_commit_check_lists_as_far_as_that_is_cheaper_then_asks_for_the_chunks_past_it(
-        rgw: Gateway, s3_url: str) -> None:
-    """In a vault with many more chunks than a save names (here garbage of a deleted checkpoint), the commit's
-    existence check stops listing after LIST_PER_PROBE keys per chunk it checks and sends a HEAD for each
-    chunk whose key lies past the last key listed, and for no other."""
-    from ckptvault.save import LIST_PER_PROBE, PROBE_MISSES
+def _put_garbage(rgw: Gateway, store: S3Store, fan_out: str, count: int) -> None:
+    """``count`` objects under ``chunks/<fan_out>/`` that no manifest names, as a crashed save leaves them."""
+    other = rgw.client()
+    for i in range(count):
+        other.put_object(Bucket=BUCKET, Key=f"{store.prefix}/chunks/{fan_out}/{fan_out}{i:062x}", Body=b"x")
 
+
+@pytest.mark.parametrize("vault", ["small", "estimated large", "larger than estimated"])
+def test_the_commit_check_lists_the_chunk_keys_only_while_that_is_cheaper_than_asking_for_each(
+        rgw: Gateway, s3_url: str, vault: str) -> None:
+    """The commit's existence check estimates the vault's chunk count from one of the 256 key prefixes. A vault
+    estimated at up to LIST_PER_PROBE chunks per chunk checked is listed, and a chunk the listing shows needs no
+    HEAD; a larger one gets a HEAD per chunk; a listing that passes twice that many keys (the estimate was low)
+    stops, and the chunks it did not show get a HEAD."""
+    from ckptvault.save import LIST_PER_PROBE
+
+    torch.manual_seed(5)
+    state = {"new": torch.randn(4 * 16384)}  # 4 chunks of 64 KiB, none under chunks/00/ or chunks/01/ (seed 5)
     with CheckpointManager(s3_url, storage_options=rgw.options(), chunk_size=64 << 10, workers=1,
                            async_save=False) as mgr:
-        mgr.save(1, {"old": torch.randn(64 * 16384)})  # 64 chunks of 64 KiB
-        mgr.delete(1)
-        state = {"new": torch.randn(4 * 16384)}  # 4 chunks: the listing stops after 40 of the 68 keys
         store = mgr.vault.store
+        if vault == "estimated large":
+            _put_garbage(rgw, store, "00", 1)  # estimate 256 > 10 x 4
+        elif vault == "larger than estimated":
+            _put_garbage(rgw, store, "01", 2 * LIST_PER_PROBE * 4)  # listed first; the estimate sees none
         sent = _requests_by_key(store)
-        mgr.save(2, state)
-        assert sent.count(("ListObjectsV2", f"{store.prefix}/chunks/")) == 1
-        chunks = sorted(_chunk_keys(store, mgr.manifest(2)))
-        listed = sorted(f"{store.prefix}/{info.key}" for info in store.list("chunks/"))
-        reached = listed[LIST_PER_PROBE * len(chunks) - 1]
+        mgr.save(1, state)
+        chunks = sorted(_chunk_keys(store, mgr.manifest(1)))
+        assert len(chunks) == 4 and all(k.split("/")[-2] > "01" for k in chunks)
         heads = collections.Counter(k for op, k in sent if op == "HeadObject" and "/chunks/" in k)
-        assert len(listed) == 68 and len(chunks) == 4 <= PROBE_MISSES  # every new chunk was probed once
-        assert heads == {k: 1 + (k > reached) for k in chunks}
-        assert any(k > reached for k in chunks) and any(k <= reached for k in chunks)  # both ways, with this seed
-        assert_same_state(state, mgr.restore(2))
+        listings = [k for op, k in sent if op == "ListObjectsV2" and "/chunks/" in k]
+        assert listings == [f"{store.prefix}/chunks/00/"] + ([] if vault == "estimated large" else [f"{store.prefix}/chunks/"])
+        asked = vault != "small"  # every new chunk was probed once before its upload; asked again at commit or not
+        assert heads == {k: 1 + asked for k in chunks}
+        assert_same_state(state, mgr.restore(1))
 
 
-@pytest.mark.parametrize("vault", ["small", "large"])
+@pytest.mark.parametrize("vault", ["small", "estimated large"])
 def test_a_chunk_deleted_before_the_commit_fails_the_save_whether_listed_or_asked_for(
         rgw: Gateway, s3_url: str, vault: str) -> None:
     """A gc (here: another client) deletes one of the save's chunks just before its commit check: the check
-    finds it missing, by the listing in a small vault, by a HEAD past the listing in a large one; nothing is
-    committed, and the save succeeds when retried."""
-    from ckptvault.save import LIST_PER_PROBE
-
-    torch.manual_seed(3)
+    finds it missing, by listing a small vault, by a HEAD in a large one; nothing is committed, and the save
+    succeeds when retried."""
+    torch.manual_seed(5)
+    state = {"new": torch.randn(4 * 16384)}
     with CheckpointManager(s3_url, storage_options=rgw.options(), chunk_size=64 << 10, workers=1,
                            async_save=False) as mgr:
-        if vault == "large":
-            mgr.save(1, {"old": torch.randn(64 * 16384)})
-            mgr.delete(1)
-        state = {"new": torch.randn(4 * 16384)}
         store, other, deleted = mgr.vault.store, rgw.client(), []
-        prefix = f"{store.prefix}/chunks/"
-
-        def chunk_keys() -> list[str]:
-            return sorted(o["Key"] for o in other.list_objects_v2(Bucket=BUCKET, Prefix=prefix).get("Contents", []))
-
-        garbage = chunk_keys()
+        if vault == "estimated large":
+            _put_garbage(rgw, store, "00", 1)
+        estimate = f"{store.prefix}/chunks/00/"
 
         def collect_one(params: dict[str, Any], **_: Any) -> None:
-            if deleted or params.get("Prefix") != prefix:  # the commit's check, not a listing of manifests
+            if deleted or params.get("Prefix") != estimate:  # the commit's check begins
                 return
-            listed = chunk_keys()
-            new = [k for k in listed if k not in garbage]
-            reached = listed[min(len(listed), LIST_PER_PROBE * len(new)) - 1]
-            victim = new[-1] if vault == "large" else new[0]
-            assert (victim > reached) is (vault == "large")
-            other.delete_object(Bucket=params["Bucket"], Key=victim)
+            listed = other.list_objects_v2(Bucket=BUCKET, Prefix=f"{store.prefix}/chunks/").get("Contents", [])
+            victim = sorted(o["Key"] for o in listed if "/chunks/00/" not in o["Key"])[0]
+            other.delete_object(Bucket=BUCKET, Key=victim)
             deleted.append(victim)
 
         store.client.meta.events.register("before-parameter-build.s3.ListObjectsV2", collect_one)
         sent = _requests_by_key(store)
-        with pytest.raises(SaveError, match="1 chunks of step 2 .* were removed by a concurrent gc before it committed"):
-            mgr.save(2, state)
+        with pytest.raises(SaveError, match="1 chunks of step 1 .* were removed by a concurrent gc before it committed"):
+            mgr.save(1, state)
         assert deleted and mgr.steps() == []
-        after_listing = sent[sent.index(("ListObjectsV2", prefix)):]
-        assert after_listing.count(("HeadObject", deleted[0])) == (vault == "large")  # asked for only past the listing
+        after_check_began = sent[sent.index(("ListObjectsV2", estimate)):]
+        assert after_check_began.count(("HeadObject", deleted[0])) == (vault == "estimated large")
         store.client.meta.events.unregister("before-parameter-build.s3.ListObjectsV2", collect_one)
-        mgr.save(2, state)
-        assert_same_state(state, mgr.restore(2))
+        mgr.save(1, state)
+        assert_same_state(state, mgr.restore(1))
 
 
 def test_a_found_chunk_that_gc_collects_before_it_is_protected_is_written_after_all(rgw: Gateway,
@@ -602,6 +608,8 @@ def test_a_found_chunk_that_gc_collects_before_it_is_protected_is_written_after_
     (here: deleted when the touch is sent). The save then writes the chunk itself and commits a checkpoint
     that restores exactly."""
     from ckptvault.save import PROBE_MISSES
+
+    torch.manual_seed(3)  # fixed chunk ids: the commit check's estimate lists this small vault
 
     old, new = torch.randn(4 * 16384), torch.randn((PROBE_MISSES + 2) * 16384)
     with CheckpointManager(s3_url, storage_options=rgw.options(), chunk_size=64 << 10, workers=1,
