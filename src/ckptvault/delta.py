@@ -119,15 +119,15 @@ class KeyframeCache:
         with self._lock:
             self._noted.setdefault(cid, (typesize, raw))
 
-    def commit(self, step: int, pool: ThreadPoolExecutor | None = None) -> None:
+    def commit(self, step: int, pool: ThreadPoolExecutor) -> None:
         """Keep the high planes of every chunk noted for keyframe ``step`` (now committed) and make them usable;
-        the chunks are split and copied on ``pool`` if given. On any error (MemoryError) the cache is left empty
-        and the error raised: deltas then read the store."""
+        the chunks are split and copied on ``pool``. On any error (MemoryError) the cache is left empty and the
+        error raised: deltas then read the store."""
         if self._filling != step:
             return
         noted = list(self._noted.items())
         try:
-            kept = map_all(pool, self._kept, noted) if pool is not None else [self._kept(item) for item in noted]
+            kept = map_all(pool, self._kept, noted)
         except BaseException:
             self.abort()
             raise
