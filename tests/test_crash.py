@@ -115,7 +115,9 @@ class SaverServer:
     """``saver.py serve``: imports torch once, forks a saver per trial (see the helper's docstring)."""
 
     def __init__(self) -> None:
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        # no GPU for the server: its warm-up backward would start autograd's device threads, after which a forked
+        # child's backward fails ("Unable to handle autograd's threading in combination with fork-based ...")
+        env = dict(os.environ, PYTHONUNBUFFERED="1", CUDA_VISIBLE_DEVICES="")
         self.proc = subprocess.Popen([sys.executable, str(SAVER), "serve"], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, text=True, env=env)
         assert self._reply() == "serving"
