@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import warnings
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -21,6 +22,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import ckptvault
+from ckptvault.format.chunk_object import chunk_key
+from ckptvault.stores import LocalStore
 from conftest import assert_same_state, chunk_files, drop_memory_store, fresh_memory_url
 
 QUANTIZED = {torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4}
@@ -318,6 +321,33 @@ def test_into_non_contiguous_targets(memory_url: str) -> None:
         assert torch.equal(buf.t(), w) and torch.equal(big[::2], w[:, 1]) and torch.equal(big[1::2], torch.zeros(6))
         assert torch.equal(conj_target, z)
         assert np.array_equal(arr_target, arr)
+
+
+class ReadWatchingStore(LocalStore):
+    """A LocalStore that calls ``before_get(key)`` before each read."""
+
+    before_get: Any = None
+
+    def get(self, key: str) -> bytes:
+        if self.before_get:
+            self.before_get(key)
+        return super().get(key)
+
+
+def test_into_targets_read_through_a_temporary_are_filled_while_later_chunks_are_read(tmp_path: Path) -> None:
+    a, b = torch.randn(4096, 64), torch.randn(4096, 64)  # 1 MiB each: four 256 KiB chunks
+    store = ReadWatchingStore(tmp_path / "v")
+    with ckptvault.CheckpointManager(store, chunk_size=256 << 10, workers=1) as mgr:
+        mgr.save(1, {"a": a, "b": b}).wait()
+        manifest = mgr.manifest(1)
+        by_path = {t["path"]: t for t in manifest["tensors"]}
+        first_of_b = chunk_key(manifest["chunks"][by_path["b"]["pieces"][0][0]]["id"])
+        target_a, target_b = torch.zeros(64, 4096).t(), torch.zeros(64, 4096).t()  # not contiguous: via temporaries
+        seen: list[bool] = []
+        store.before_get = lambda key: seen.append(torch.equal(target_a, a)) if key == first_of_b else None
+        mgr.restore(1, into={"a": target_a, "b": target_b})
+    assert seen == [True], "a was copied into its target only after every chunk was read"
+    assert torch.equal(target_a, a) and torch.equal(target_b, b)
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")  # quantized tensors and TypedStorage are deprecated in torch

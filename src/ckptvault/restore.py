@@ -8,6 +8,7 @@ a restore needs the output tensors plus about one chunk per worker.
 
 from __future__ import annotations
 
+import threading
 from collections import defaultdict
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -30,18 +31,35 @@ Dest = Any  # a record index, or ("base", index) for a residual's keyframe copy
 
 
 def read_into(vault: Vault, manifest: dict[str, Any], dests: dict[Dest, memoryview],
-              progress: Progress | None = None) -> None:
+              progress: Progress | None = None, on_filled: Callable[[Dest], None] | None = None) -> None:
     """Fill ``dests`` (record index -> writable byte view of its stored bytes) from the vault.
 
     A key ``("base", i)`` reads the keyframe copy that residual record ``i`` is relative to.
+    With ``on_filled``, each key is removed from ``dests`` as soon as its last
+    byte is written and ``on_filled(key)`` is called, on the worker thread that
+    wrote it, while other chunks are still being read (keys with no bytes first,
+    on the calling thread); an error it raises fails the read like a bad chunk.
     """
     tensors, chunks = manifest["tensors"], manifest["chunks"]
     jobs: dict[int, list[tuple[Dest, int, int, int]]] = defaultdict(list)
+    left: dict[Dest, int] = {}  # pieces of each key not yet written
     for key in dests:
         dest_offset = 0
-        for chunk, offset, length in _pieces(tensors, key):
+        pieces = _pieces(tensors, key)
+        for chunk, offset, length in pieces:
             jobs[chunk].append((key, dest_offset, offset, length))
             dest_offset += length
+        left[key] = len(pieces)
+    lock = threading.Lock()
+
+    def written(keys: list[Dest]) -> None:
+        with lock:
+            for key in keys:
+                left[key] -= 1
+            filled = [key for key in dict.fromkeys(keys) if left[key] == 0]
+        for key in filled:
+            del dests[key]  # the caller's buffer may be freed once on_filled let go of it
+            on_filled(key)  # type: ignore[misc]
 
     def fetch(chunk: int) -> None:
         cid = chunks[chunk]["id"]
@@ -57,7 +75,13 @@ def read_into(vault: Vault, manifest: dict[str, Any], dests: dict[Dest, memoryvi
             dests[index][dest_offset : dest_offset + length] = raw[offset : offset + length]
         if progress:
             progress(chunks[chunk]["raw"])
+        if on_filled:
+            written([index for index, *_ in jobs[chunk]])
 
+    if on_filled:
+        for key in [key for key, count in left.items() if count == 0]:
+            del dests[key]
+            on_filled(key)
     map_all(vault.pool, fetch, sorted(jobs))
 
 
@@ -140,39 +164,63 @@ def _refuse_pickle(tree: dict[str, Any], selected: set[str] | None) -> None:
 
 def restore_into(vault: Vault, manifest: dict[str, Any], into: Any, strict: bool,
                  progress: Progress | None = None) -> Any:
-    """Copy saved tensors into the tensors/arrays of ``into`` in place; returns ``into``."""
+    """Copy saved tensors into the tensors/arrays of ``into`` in place; returns ``into``.
+
+    Contiguous CPU targets are read into directly. Any other target (on a GPU,
+    strided, ...) is read into a host temporary that is copied into it and
+    freed as soon as its last chunk is in, while other chunks are still being
+    read: host memory holds only the temporaries being filled, not a copy of
+    the state.
+    """
     targets = dict(_array_leaves(into))
     saved = _saved_array_paths(manifest)
     prefix = _mount_prefix(list(targets), saved)
     dests: dict[Dest, memoryview] = {}
+    through_temp: dict[Dest, tuple[Any, Any]] = {}  # index -> (target, host temporary read into)
     lossy_targets: dict[int, Any] = {}
     firsts: dict[int, Any] = {}
-    copies: list[tuple[Any, Any]] = []
+    copies: list[tuple[Any, Any]] = []  # made after every read, in order: tied tensors' other key paths
     for path, target in targets.items():
         index = saved.get(join_path(prefix, path) if prefix else path)
         if index is None:
             if strict:
                 raise KeyMismatchError(f"into= holds {path!r}, which the checkpoint does not (pass strict=False to skip)")
             continue
+        target = target.detach() if isinstance(target, torch.Tensor) else target
+        record = manifest["tensors"][index]
+        _check_target(record, path, target)
         if index in firsts:  # another key path of a tied tensor (saved once): copied from the first after reading
-            _target_view(manifest["tensors"][index], path, target, [])  # checks dtype and shape
             if not _same_memory(target, firsts[index]):
-                copies.append((target.detach() if isinstance(target, torch.Tensor) else target, firsts[index]))
+                copies.append((target, firsts[index]))
             continue
-        if is_lossy(manifest["tensors"][index]):
-            _target_view(manifest["tensors"][index], path, target, [])  # checks dtype and shape
+        if is_lossy(record):
             lossy_targets[index] = target
+        elif (view := _direct_view(target)) is not None:
+            dests[index] = view
         else:
-            dests[index] = _target_view(manifest["tensors"][index], path, target, copies)
-        firsts[index] = target.detach() if isinstance(target, torch.Tensor) else target
+            temp = empty_like_record("torch" if isinstance(target, torch.Tensor) else "numpy", record["dtype"],
+                                     record["shape"])
+            dests[index], through_temp[index] = writable_bytes(temp), (target, temp)
+        firsts[index] = target
     if strict:
         _check_no_extra(saved, targets, prefix)
     lossy = LossyReads(manifest["tensors"], lossy_targets)
-    read_into(vault, manifest, {**dests, **lossy.dests()}, progress)
-    copies[:0] = [(target.detach(), lossy.decoded(i)) for i, target in lossy_targets.items()]
-    for target, temp in copies:
-        target.copy_(temp) if isinstance(target, torch.Tensor) else np.copyto(target, temp)
+    dests.update(lossy.dests())
+
+    def copy_in(key: Dest) -> None:
+        if key in through_temp:
+            _copy(*through_temp.pop(key))
+
+    read_into(vault, manifest, dests, progress, copy_in)
+    for i, target in lossy_targets.items():
+        _copy(target, lossy.decoded(i))
+    for target, source in copies:
+        _copy(target, source)
     return into
+
+
+def _copy(target: Any, source: Any) -> None:
+    target.copy_(source) if isinstance(target, torch.Tensor) else np.copyto(target, source)
 
 
 def _saved_array_paths(manifest: dict[str, Any]) -> dict[str, int]:
@@ -192,26 +240,23 @@ def _same_memory(a: Any, b: Any) -> bool:
     return False
 
 
-def _target_view(record: dict[str, Any], path: str, target: Any, copies: list[tuple[Any, Any]]) -> memoryview:
-    """A byte view to write into: the target itself when it is contiguous, else a temporary."""
+def _check_target(record: dict[str, Any], path: str, target: Any) -> None:
     shape, dtype = list(target.shape), _dtype_name(target)
     if shape != record["shape"] or dtype != record["dtype"]:
         raise KeyMismatchError(
             f"{path!r}: saved {record['dtype']}{record['shape']}, target is {dtype}{shape}; "
             "restore without into= and convert, or fix the target"
         )
+
+
+def _direct_view(target: Any) -> memoryview | None:
+    """A writable view of the target's own bytes, if they are its values in C order on the host; else None."""
     if isinstance(target, torch.Tensor):
         direct = target.device.type == "cpu" and target.is_contiguous() and not target.is_conj() and not target.is_neg()
-        if direct:
-            return tensor_bytes(target.detach())
-        temp = torch.empty(record["shape"], dtype=torch_dtype(record["dtype"]))
-        copies.append((target.detach(), temp))
-        return tensor_bytes(temp)
+        return tensor_bytes(target) if direct else None
     if target.flags.c_contiguous and target.flags.writeable and target.dtype.byteorder != ">":
         return writable_bytes(target)
-    temp = empty_like_record("numpy", record["dtype"], record["shape"])
-    copies.append((target, temp))
-    return writable_bytes(temp)
+    return None
 
 
 def _dtype_name(value: Any) -> str:
