@@ -350,6 +350,18 @@ def test_into_targets_read_through_a_temporary_are_filled_while_later_chunks_are
     assert torch.equal(target_a, a) and torch.equal(target_b, b)
 
 
+def test_into_many_same_shape_targets_through_reused_temporaries(tmp_path: Path) -> None:
+    state = {f"t{i}": torch.randn(512, 96) for i in range(12)}  # 192 KiB each: three 64 KiB chunks
+    state["odd"] = torch.randn(96, 512)  # another shape, and an empty tensor
+    state["empty"] = torch.empty(0, 5)
+    with ckptvault.CheckpointManager(tmp_path / "v", chunk_size=64 << 10, workers=4) as mgr:
+        mgr.save(1, state).wait()
+        for _ in range(3):  # thread timing differs run to run
+            into = {k: torch.full(tuple(reversed(v.shape)), -1.0).t() for k, v in state.items()}
+            mgr.restore(1, into=into)
+            assert_same_state(state, {k: v.contiguous() for k, v in into.items()})
+
+
 @pytest.mark.filterwarnings("ignore::UserWarning")  # quantized tensors and TypedStorage are deprecated in torch
 def test_pickle_needs_allow_pickle_both_ways(vault_url: str) -> None:
     state = {"tags": {"a", "b"}, "q": torch.quantize_per_tensor(torch.randn(4), 0.1, 2, torch.qint8),

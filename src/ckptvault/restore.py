@@ -8,6 +8,7 @@ a restore needs the output tensors plus about one chunk per worker.
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections import defaultdict
 from collections.abc import Callable, Iterable
@@ -30,12 +31,13 @@ Progress = Callable[[int], None]
 Dest = Any  # a record index, or ("base", index) for a residual's keyframe copy
 
 
-def read_into(vault: Vault, manifest: dict[str, Any], dests: dict[Dest, memoryview],
+def read_into(vault: Vault, manifest: dict[str, Any], dests: dict[Dest, memoryview | Callable[[], memoryview]],
               progress: Progress | None = None, on_filled: Callable[[Dest], None] | None = None) -> None:
     """Fill ``dests`` (record index -> writable byte view of its stored bytes) from the vault.
 
     A key ``("base", i)`` reads the keyframe copy that residual record ``i`` is relative to.
-    With ``on_filled``, each key is removed from ``dests`` as soon as its last
+    A value may instead be a function that makes the view: it is called once,
+    just before the key's first byte is written. With ``on_filled``, each key is removed from ``dests`` as soon as its last
     byte is written and ``on_filled(key)`` is called, on the worker thread that
     wrote it, while other chunks are still being read (keys with no bytes first,
     on the calling thread); an error it raises fails the read like a bad chunk.
@@ -51,6 +53,15 @@ def read_into(vault: Vault, manifest: dict[str, Any], dests: dict[Dest, memoryvi
             dest_offset += length
         left[key] = len(pieces)
     lock = threading.Lock()
+
+    def view_of(key: Dest) -> memoryview:
+        view = dests[key]
+        if not isinstance(view, memoryview):
+            with lock:
+                view = dests[key]
+                if not isinstance(view, memoryview):
+                    view = dests[key] = view()
+        return view
 
     def written(keys: list[Dest]) -> None:
         with lock:
@@ -72,7 +83,7 @@ def read_into(vault: Vault, manifest: dict[str, Any], dests: dict[Dest, memoryvi
         except CorruptChunkError as exc:
             raise CorruptChunkError(cid, exc.reason, manifest["step"], first) from None
         for index, dest_offset, offset, length in jobs[chunk]:
-            dests[index][dest_offset : dest_offset + length] = raw[offset : offset + length]
+            view_of(index)[dest_offset : dest_offset + length] = raw[offset : offset + length]
         if progress:
             progress(chunks[chunk]["raw"])
         if on_filled:
@@ -167,16 +178,22 @@ def restore_into(vault: Vault, manifest: dict[str, Any], into: Any, strict: bool
     """Copy saved tensors into the tensors/arrays of ``into`` in place; returns ``into``.
 
     Contiguous CPU targets are read into directly. Any other target (on a GPU,
-    strided, ...) is read into a host temporary that is copied into it and
-    freed as soon as its last chunk is in, while other chunks are still being
-    read: host memory holds only the temporaries being filled, not a copy of
-    the state.
+    strided, ...) is read into a host temporary, made when its first chunk is
+    read and copied into the target as soon as its last chunk is in, while
+    other chunks are still being read; the temporary is then reused for a later
+    target of the same dtype and shape (:class:`HostTemps`). So host memory
+    holds only the temporaries being filled, not a copy of the state.
     """
+    def make_temp(index: Dest) -> memoryview:
+        made[index] = temp = temps.take(through_temp[index][1])
+        return writable_bytes(temp)
+
     targets = dict(_array_leaves(into))
     saved = _saved_array_paths(manifest)
     prefix = _mount_prefix(list(targets), saved)
-    dests: dict[Dest, memoryview] = {}
-    through_temp: dict[Dest, tuple[Any, Any]] = {}  # index -> (target, host temporary read into)
+    dests: dict[Dest, memoryview | Callable[[], memoryview]] = {}
+    through_temp: dict[Dest, tuple[Any, TempSpec]] = {}  # index -> (target, its temporary's kind, dtype, shape)
+    temps, made = HostTemps(), {}  # made: index -> its temporary, once its first chunk is read
     lossy_targets: dict[int, Any] = {}
     firsts: dict[int, Any] = {}
     copies: list[tuple[Any, Any]] = []  # made after every read, in order: tied tensors' other key paths
@@ -198,9 +215,8 @@ def restore_into(vault: Vault, manifest: dict[str, Any], into: Any, strict: bool
         elif (view := _direct_view(target)) is not None:
             dests[index] = view
         else:
-            temp = empty_like_record("torch" if isinstance(target, torch.Tensor) else "numpy", record["dtype"],
-                                     record["shape"])
-            dests[index], through_temp[index] = writable_bytes(temp), (target, temp)
+            spec = ("torch" if isinstance(target, torch.Tensor) else "numpy", record["dtype"], tuple(record["shape"]))
+            dests[index], through_temp[index] = functools.partial(make_temp, index), (target, spec)
         firsts[index] = target
     if strict:
         _check_no_extra(saved, targets, prefix)
@@ -209,7 +225,11 @@ def restore_into(vault: Vault, manifest: dict[str, Any], into: Any, strict: bool
 
     def copy_in(key: Dest) -> None:
         if key in through_temp:
-            _copy(*through_temp.pop(key))
+            target, spec = through_temp.pop(key)
+            if key in made:  # else the target is empty: no chunk was read for it
+                temp = made.pop(key)
+                _copy(target, temp)
+                temps.give_back(spec, temp)
 
     read_into(vault, manifest, dests, progress, copy_in)
     for i, target in lossy_targets.items():
@@ -217,6 +237,33 @@ def restore_into(vault: Vault, manifest: dict[str, Any], into: Any, strict: bool
     for target, source in copies:
         _copy(target, source)
     return into
+
+
+TempSpec = tuple[str, str, tuple[int, ...]]  # kind ("torch" or "numpy"), dtype, shape
+
+
+class HostTemps:
+    """Host temporaries by kind, dtype and shape: reused instead of freed.
+
+    Fresh memory costs a page fault per 4 KiB when first written (0.3-0.45 s
+    per GB on the VMs measured, BENCHMARKS.md "CUDA"), and the layers of a
+    model repeat their shapes, so a restore through temporaries mostly writes
+    into pages already mapped. Thread-safe.
+    """
+
+    def __init__(self) -> None:
+        self._free: dict[TempSpec, list[Any]] = defaultdict(list)
+        self._lock = threading.Lock()
+
+    def take(self, spec: TempSpec) -> Any:
+        with self._lock:
+            if self._free[spec]:
+                return self._free[spec].pop()
+        return empty_like_record(spec[0], spec[1], list(spec[2]))
+
+    def give_back(self, spec: TempSpec, temp: Any) -> None:
+        with self._lock:
+            self._free[spec].append(temp)
 
 
 def _copy(target: Any, source: Any) -> None:
