@@ -35,12 +35,15 @@ def read_into(vault: Vault, manifest: dict[str, Any], dests: dict[Dest, memoryvi
               progress: Progress | None = None, on_filled: Callable[[Dest], None] | None = None) -> None:
     """Fill ``dests`` (record index -> writable byte view of its stored bytes) from the vault.
 
-    A key ``("base", i)`` reads the keyframe copy that residual record ``i`` is relative to.
-    A value may instead be a function that makes the view: it is called once,
-    just before the key's first byte is written. With ``on_filled``, each key is removed from ``dests`` as soon as its last
+    A key ``("base", i)`` reads the keyframe copy that residual record ``i`` is
+    relative to. A value may instead be a function that makes the view: it is
+    called once, just before the key's first byte is written.
+
+    With ``on_filled``, each key is removed from ``dests`` as soon as its last
     byte is written and ``on_filled(key)`` is called, on the worker thread that
-    wrote it, while other chunks are still being read (keys with no bytes first,
-    on the calling thread); an error it raises fails the read like a bad chunk.
+    wrote it, while other chunks are still being read (keys with no bytes
+    first, on the calling thread); an error it raises fails the read like a bad
+    chunk.
     """
     tensors, chunks = manifest["tensors"], manifest["chunks"]
     jobs: dict[int, list[tuple[Dest, int, int, int]]] = defaultdict(list)
@@ -181,19 +184,14 @@ def restore_into(vault: Vault, manifest: dict[str, Any], into: Any, strict: bool
     strided, ...) is read into a host temporary, made when its first chunk is
     read and copied into the target as soon as its last chunk is in, while
     other chunks are still being read; the temporary is then reused for a later
-    target of the same dtype and shape (:class:`HostTemps`). So host memory
+    target of the same dtype and shape (:class:`ThroughTemps`). So host memory
     holds only the temporaries being filled, not a copy of the state.
     """
-    def make_temp(index: Dest) -> memoryview:
-        made[index] = temp = temps.take(through_temp[index][1])
-        return writable_bytes(temp)
-
     targets = dict(_array_leaves(into))
     saved = _saved_array_paths(manifest)
     prefix = _mount_prefix(list(targets), saved)
     dests: dict[Dest, memoryview | Callable[[], memoryview]] = {}
-    through_temp: dict[Dest, tuple[Any, TempSpec]] = {}  # index -> (target, its temporary's kind, dtype, shape)
-    temps, made = HostTemps(), {}  # made: index -> its temporary, once its first chunk is read
+    temps = ThroughTemps()
     lossy_targets: dict[int, Any] = {}
     firsts: dict[int, Any] = {}
     copies: list[tuple[Any, Any]] = []  # made after every read, in order: tied tensors' other key paths
@@ -215,23 +213,13 @@ def restore_into(vault: Vault, manifest: dict[str, Any], into: Any, strict: bool
         elif (view := _direct_view(target)) is not None:
             dests[index] = view
         else:
-            spec = ("torch" if isinstance(target, torch.Tensor) else "numpy", record["dtype"], tuple(record["shape"]))
-            dests[index], through_temp[index] = functools.partial(make_temp, index), (target, spec)
+            dests[index] = temps.add(index, target, record)
         firsts[index] = target
     if strict:
         _check_no_extra(saved, targets, prefix)
     lossy = LossyReads(manifest["tensors"], lossy_targets)
     dests.update(lossy.dests())
-
-    def copy_in(key: Dest) -> None:
-        if key in through_temp:
-            target, spec = through_temp.pop(key)
-            if key in made:  # else the target is empty: no chunk was read for it
-                temp = made.pop(key)
-                _copy(target, temp)
-                temps.give_back(spec, temp)
-
-    read_into(vault, manifest, dests, progress, copy_in)
+    read_into(vault, manifest, dests, progress, temps.copy_in)
     for i, target in lossy_targets.items():
         _copy(target, lossy.decoded(i))
     for target, source in copies:
@@ -239,29 +227,47 @@ def restore_into(vault: Vault, manifest: dict[str, Any], into: Any, strict: bool
     return into
 
 
-TempSpec = tuple[str, str, tuple[int, ...]]  # kind ("torch" or "numpy"), dtype, shape
+class ThroughTemps:
+    """The ``into=`` targets read through host temporaries, and those temporaries.
 
-
-class HostTemps:
-    """Host temporaries by kind, dtype and shape: reused instead of freed.
-
-    Fresh memory costs a page fault per 4 KiB when first written (0.3-0.45 s
-    per GB on the VMs measured, BENCHMARKS.md "CUDA"), and the layers of a
-    model repeat their shapes, so a restore through temporaries mostly writes
-    into pages already mapped. Thread-safe.
+    A target's temporary is made when its first chunk is read (:meth:`add`
+    returns the function that makes it, for :func:`read_into`), copied into the
+    target once its last chunk is in (:meth:`copy_in`), and then reused for a
+    later target of the same kind, dtype and shape. Fresh memory costs a page
+    fault per 4 KiB when first written (0.3-0.45 s per GB on the VMs measured,
+    BENCHMARKS.md "CUDA"), and the layers of a model repeat their shapes, so
+    most temporaries are written into pages already mapped. Thread-safe.
     """
 
     def __init__(self) -> None:
-        self._free: dict[TempSpec, list[Any]] = defaultdict(list)
+        self._targets: dict[Dest, tuple[Any, tuple[str, str, tuple[int, ...]]]] = {}  # index -> (target, spec)
+        self._made: dict[Dest, Any] = {}  # index -> its temporary, once its first chunk is read
+        self._free: dict[tuple[str, str, tuple[int, ...]], list[Any]] = defaultdict(list)
         self._lock = threading.Lock()
 
-    def take(self, spec: TempSpec) -> Any:
-        with self._lock:
-            if self._free[spec]:
-                return self._free[spec].pop()
-        return empty_like_record(spec[0], spec[1], list(spec[2]))
+    def add(self, index: Dest, target: Any, record: dict[str, Any]) -> Callable[[], memoryview]:
+        kind = "torch" if isinstance(target, torch.Tensor) else "numpy"
+        self._targets[index] = (target, (kind, record["dtype"], tuple(record["shape"])))
+        return functools.partial(self._make, index)
 
-    def give_back(self, spec: TempSpec, temp: Any) -> None:
+    def _make(self, index: Dest) -> memoryview:
+        spec = self._targets[index][1]
+        with self._lock:
+            temp = self._free[spec].pop() if self._free[spec] else None
+        if temp is None:
+            temp = empty_like_record(spec[0], spec[1], list(spec[2]))
+        self._made[index] = temp
+        return writable_bytes(temp)
+
+    def copy_in(self, key: Dest) -> None:
+        """Copy the filled temporary of ``key`` into its target (nothing for keys not added)."""
+        if key not in self._targets:
+            return
+        target, spec = self._targets.pop(key)
+        temp = self._made.pop(key, None)
+        if temp is None:  # an empty target: no chunk was read for it
+            return
+        _copy(target, temp)
         with self._lock:
             self._free[spec].append(temp)
 
