@@ -234,7 +234,7 @@ class ThroughTemps:
     returns the function that makes it, for :func:`read_into`), copied into the
     target once its last chunk is in (:meth:`copy_in`), and then reused for a
     later target of the same kind, dtype and shape. Fresh memory costs a page
-    fault per 4 KiB when first written (0.3-0.45 s per GB on the VMs measured:
+    fault per 4 KiB when first written (0.3-0.7 s per GB on the VMs measured:
     BENCHMARKS.md, "A GPU-resident state on an H200"), and the layers of a
     model repeat their shapes, so most temporaries are written into pages
     already mapped. Thread-safe.
