@@ -9,8 +9,9 @@ States: W1 of ``workloads_incremental.py`` (the ~85M GPT + AdamW) at its keyfram
   then boto3 ``upload_file`` of it (default TransferConfig: 8 MiB multipart parts, 10 threads), and
   ``download_file`` + ``torch.load`` (weights_only) back;
 * ckptvault: a fresh ``s3://`` vault, save of the keyframe until durable (the first save), then of the state one
-  step later (an incremental save: dedup + XOR deltas), then a restore of each in a fresh CheckpointManager
-  (new connections), checked bit for bit.
+  step later (an incremental save: dedup + XOR deltas; timed once the first save's background work after its
+  commit, the keyframe cache fill, is done, as it is long before the next save of a training loop), then a
+  restore of each in a fresh CheckpointManager (new connections), checked bit for bit.
 
 Both use the same endpoint and botocore settings (plain http, checksums "when_required"). The gateway is
 started by ``scripts/ceph-rgw.sh`` unless ``--endpoint`` (with AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY)
@@ -125,6 +126,7 @@ def ckptvault_run(gw: Gateway, states: wi.States, t: dict[str, Timing], codec: s
     with CheckpointManager(url, storage_options=options, codec=codec, chunk_size=chunk_mib << 20 or None,
                            cache_keyframe=cache_keyframe) as mgr:
         time_it(t["first_save"], lambda: mgr.save(0, states[0]).wait())
+        mgr.wait()  # the first save's work after its commit (the keyframe cache fill): done before a later save in training
         time_it(t["incremental_save"], lambda: mgr.save(1, states[1]).wait())
         sizes = {"first_stored": mgr.info(0).stored_bytes, "incremental_added": mgr.info(1).added_bytes}
     for step, timing in ((0, "first_restore"), (1, "incremental_restore")):
