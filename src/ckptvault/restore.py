@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .arrays import empty_like_record, finish_ndarray, tensor_bytes, torch_dtype, writable_bytes
+from .arrays import empty_like_record, finish_ndarray, plain_cpu, tensor_bytes, torch_dtype, writable_bytes
 from .errors import CorruptChunkError, KeyMismatchError, ObjectNotFoundError, PickleNotAllowedError
 from .lossy import DEFAULT_BLOCK, LossySpec, decode
 from .parallel import map_all
@@ -66,14 +66,17 @@ def read_into(vault: Vault, manifest: dict[str, Any], dests: dict[Dest, memoryvi
                     view = dests[key] = view()
         return view
 
+    def filled(key: Dest) -> None:
+        del dests[key]  # the caller's buffer may be freed once on_filled let go of it
+        on_filled(key)  # type: ignore[misc]
+
     def written(keys: list[Dest]) -> None:
         with lock:
             for key in keys:
                 left[key] -= 1
-            filled = [key for key in dict.fromkeys(keys) if left[key] == 0]
-        for key in filled:
-            del dests[key]  # the caller's buffer may be freed once on_filled let go of it
-            on_filled(key)  # type: ignore[misc]
+            done = [key for key in dict.fromkeys(keys) if left[key] == 0]
+        for key in done:
+            filled(key)
 
     def fetch(chunk: int) -> None:
         cid = chunks[chunk]["id"]
@@ -94,8 +97,7 @@ def read_into(vault: Vault, manifest: dict[str, Any], dests: dict[Dest, memoryvi
 
     if on_filled:
         for key in [key for key, count in left.items() if count == 0]:
-            del dests[key]
-            on_filled(key)
+            filled(key)
     map_all(vault.pool, fetch, sorted(jobs))
 
 
@@ -306,8 +308,7 @@ def _check_target(record: dict[str, Any], path: str, target: Any) -> None:
 def _direct_view(target: Any) -> memoryview | None:
     """A writable view of the target's own bytes, if they are its values in C order on the host; else None."""
     if isinstance(target, torch.Tensor):
-        direct = target.device.type == "cpu" and target.is_contiguous() and not target.is_conj() and not target.is_neg()
-        return tensor_bytes(target) if direct else None
+        return tensor_bytes(target) if plain_cpu(target) else None
     if target.flags.c_contiguous and target.flags.writeable and target.dtype.byteorder != ">":
         return writable_bytes(target)
     return None

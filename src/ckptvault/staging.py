@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .arrays import ndarray_bytes, tensor_bytes
+from .arrays import ndarray_bytes, plain_cpu, tensor_bytes
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +63,7 @@ class StagingBuffer:
         views = []
         for (kind, value), offset, size in zip(values, offsets, sizes, strict=True):
             region = buffer[offset : offset + size]
-            if size and kind == "torch" and _plain_cpu(value):  # as bytes: uint1..7/int1..7 have no copy kernel
+            if size and kind == "torch" and plain_cpu(value):  # as bytes: uint1..7/int1..7 have no copy kernel
                 # torch's copy runs on the intra-op threads: ~1.2-2x np.copyto when other processes load the CPU
                 region.copy_(torch.from_numpy(np.frombuffer(tensor_bytes(value.detach()), dtype=np.uint8)))
             elif size and kind == "torch":
@@ -78,8 +78,3 @@ class StagingBuffer:
         for gpu in gpus:
             torch.cuda.synchronize(gpu)
         return views
-
-
-def _plain_cpu(t: torch.Tensor) -> bool:
-    """A CPU tensor whose memory holds exactly its values in C order (no conj/neg bit to resolve)."""
-    return t.device.type == "cpu" and t.is_contiguous() and not t.is_conj() and not t.is_neg()
