@@ -1,4 +1,5 @@
-"""The vault's zstd stage: level 1 accelerated with Huffman-coded literals (codecs/zstd.py), ordinary frames."""
+"""The vault's zstd stage: level 1 accelerated with Huffman-coded literals, or searching as a sample says
+(codecs/zstd.py); ordinary frames."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from hypothesis import strategies as st
 
 import ckptvault.codecs.zstd as zstd_module
 from ckptvault.codecs.planes import BytePlanes, plane_table, split_planes
-from ckptvault.codecs.zstd import LEVEL1_ACCELERATION, LEVEL1_HASH_LOG, SPARSE_BELOW, Zstd
+from ckptvault.codecs.zstd import LEVEL1_ACCELERATION, LEVEL1_HASH_LOG, LITERALS_FROM, SPARSE_BELOW, Zstd
 
 
 def _skewed_noise(n: int, seed: int = 0) -> bytes:
@@ -62,7 +63,45 @@ def test_data_sampled_as_sparse_is_compressed_without_acceleration() -> None:
     assert codec.encode_sampled(memoryview(data), None) == codec.encode(memoryview(data))
 
 
-def test_byte_planes_compress_a_sparse_plane_without_acceleration_and_a_dense_one_with_it() -> None:
+def _repeats_between_noise() -> bytes:
+    rng = np.random.default_rng(2)
+    block = rng.integers(0, 256, 3000, dtype=np.uint8).tobytes()
+    return b"".join(block + rng.integers(0, 256, 500, dtype=np.uint8).tobytes() for _ in range(64))
+
+
+def test_data_sampled_above_literals_from_is_written_as_literals_only() -> None:
+    """No search: repeats that a search finds stay literals (the noise they are made of does not shrink), while a
+    skewed distribution is still Huffman-coded, smaller than searched; below the bound level 1 searches."""
+    assert zstd_module.LITERALS_ONLY, "zstd's ZSTD_compressSequences is missing from zstandard's CFFI backend"
+    codec = Zstd(1)
+    repeats = _repeats_between_noise()
+    literals = codec.encode_sampled(memoryview(repeats), LITERALS_FROM)
+    assert len(literals) > 0.99 * len(repeats) > 3 * len(_unaccelerated(repeats))
+    assert codec.encode_sampled(memoryview(repeats), 0.99 * LITERALS_FROM) == codec.encode(memoryview(repeats))
+    skewed = _skewed_noise(1 << 20)
+    literals = codec.encode_sampled(memoryview(skewed), 0.5)
+    assert len(literals) < min(0.45 * len(skewed), len(codec.encode(memoryview(skewed))))
+    for data, frame in ((repeats, codec.encode_sampled(memoryview(repeats), 0.5)), (skewed, literals)):
+        assert zstandard.get_frame_parameters(frame).content_size == len(data)
+        assert zstandard.ZstdDecompressor().decompress(frame) == data
+        assert bytes(codec.decode(memoryview(frame), len(data))) == data
+
+
+def test_a_plane_of_one_repeated_byte_written_as_literals_is_stored_as_a_run() -> None:
+    frame = Zstd(1).encode_sampled(memoryview(bytes(1 << 20)), 0.5)
+    assert len(frame) < 100
+    assert zstandard.ZstdDecompressor().decompress(frame) == bytes(1 << 20)
+
+
+def test_other_levels_search_as_their_level_says_whatever_the_sample() -> None:
+    data = _repeats_between_noise()
+    level3 = zstandard.ZstdCompressor(compression_params=zstandard.ZstdCompressionParameters.from_level(
+        3, write_content_size=1))
+    for ratio in (None, SPARSE_BELOW / 2, LITERALS_FROM, 0.9):
+        assert Zstd(3).encode_sampled(memoryview(data), ratio) == level3.compress(data)
+
+
+def test_byte_planes_compress_a_sparse_plane_without_acceleration_and_a_dense_one_as_literals() -> None:
     """Floats whose sign-and-exponent plane is one value with rare exceptions (sparse, like an XOR delta's) and
     whose second plane is skewed noise: each plane is compressed as its sample says."""
     rng = np.random.default_rng(3)
@@ -75,10 +114,12 @@ def test_byte_planes_compress_a_sparse_plane_without_acceleration_and_a_dense_on
     entries, _tail = plane_table(payload, 4)
     planes, _ = split_planes(data, 4)
     sparse, dense = bytes(planes[3]), bytes(planes[2])
-    assert stage.sample_ratio(memoryview(planes[3])) < SPARSE_BELOW <= stage.sample_ratio(memoryview(planes[2]))
+    assert stage.sample_ratio(memoryview(planes[3])) < SPARSE_BELOW < LITERALS_FROM <= stage.sample_ratio(
+        memoryview(planes[2]))
     stored = [bytes(payload[e.offset : e.offset + e.length]) for e in entries]
     assert entries[3].compressed and stored[3] == _unaccelerated(sparse)
-    assert entries[2].compressed and stored[2] == Zstd(1).encode(memoryview(dense)) != _unaccelerated(dense)
+    assert entries[2].compressed and stored[2] == zstd_module._LiteralsOnly().compress(dense)
+    assert len(stored[2]) < len(Zstd(1).encode(memoryview(dense)))
     assert bytes(stage.decode(payload, len(data))) == bytes(data)
 
 
@@ -120,5 +161,6 @@ def test_without_cffi_level_1_falls_back_to_the_plain_compressor(monkeypatch: py
     monkeypatch.setattr(zstd_module, "_local", threading.local())  # no context cached by earlier tests
     data = _skewed_noise(1 << 18)
     assert isinstance(zstd_module._compressor(1), zstandard.ZstdCompressor)
-    stored = Zstd(1).encode(memoryview(data))
-    assert zstandard.ZstdDecompressor().decompress(stored) == data
+    assert isinstance(zstd_module._compressor(1, "literals"), zstandard.ZstdCompressor)
+    for stored in (Zstd(1).encode(memoryview(data)), Zstd(1).encode_sampled(memoryview(data), 0.5)):
+        assert zstandard.ZstdDecompressor().decompress(stored) == data

@@ -19,6 +19,16 @@ search changes, and any zstd decoder reads them.
   ``SPARSE_BELOW`` of its size (:meth:`Zstd.encode_sampled`) is compressed without acceleration, where the
   search is fast anyway. Without ``cffi`` level 1 falls back to the plain fast strategy with the same match table
   (:data:`ACCELERATED`).
+* No search at all where a sample shows nothing for it to find: a plane whose sample compressed to
+  ``LITERALS_FROM`` of its size or more is written as literals only, Huffman-coded in zstd's own blocks (zstd's
+  ``ZSTD_compressSequences`` given no sequences; :data:`LITERALS_ONLY`). The matches the search finds in such
+  planes save less than the literals they take out cost to code. On W1's planes (``bench/plane_zstd.py``, one
+  thread, ns per byte and stored fraction, searched -> literals only): fp16's top byte of exp_avg 1.40 -> 1.00,
+  0.279 -> 0.267; exp_avg's sign-and-exponent byte XORed one step apart 1.65 -> 1.18, 0.169 -> 0.162; the
+  weights' high mantissa byte XORed one step apart 1.32 -> 1.05, 0.315 -> 0.305; exp_avg_sq's sign-and-exponent
+  byte 1.09 -> 0.96 at 0.307-0.308. Decoding is faster too (0.60 -> 0.43, 0.80 -> 0.43 ns/B on the first two).
+  Below ``LITERALS_FROM`` runs pay: an fp16 low byte of exp_avg_sq whose sample compressed to 0.157 takes 0.099
+  of its size searched, 0.179 as literals (whose Huffman codes cost at least a bit per byte).
 """
 
 from __future__ import annotations
@@ -42,6 +52,9 @@ LEVEL1_ACCELERATION = 32
 #: data whose sample compressed below this fraction is mostly runs (a sparse XOR plane): level 1 compresses it
 #: without acceleration, which finds those runs (smaller output, and it decodes faster)
 SPARSE_BELOW = 0.1
+#: data whose sample compressed to at least this fraction has no runs worth a search: level 1 writes it as
+#: Huffman-coded literals only (every sampled 1 MiB plane of W1 above 0.19 came out smaller or within 2.5%)
+LITERALS_FROM = 0.2
 
 
 def _cffi_lib() -> Any:
@@ -58,15 +71,17 @@ def _cffi_lib() -> Any:
 _CFFI = _cffi_lib()
 #: whether level 1 runs accelerated with Huffman-coded literals (``zstandard[cffi]`` installed)
 ACCELERATED = _CFFI is not None
+#: whether level 1 can write literals only, with no search, where a sample says so (``zstandard[cffi]`` installed)
+LITERALS_ONLY = ACCELERATED and hasattr(_CFFI[1], "ZSTD_compressSequences")
 if not ACCELERATED:
     log.debug("zstandard's CFFI backend is not available (pip install 'zstandard[cffi]'); "
               "level 1 compresses without acceleration")
 
 
-class _AcceleratedLevel1:
-    """A level-1 compression context with acceleration and Huffman-coded literals; one per thread."""
+class _CffiContext:
+    """A zstd compression context set up through the advanced API, with a reused output buffer; one per thread."""
 
-    def __init__(self) -> None:
+    def __init__(self, parameters: tuple[tuple[str, Any], ...]) -> None:
         ffi, lib = _CFFI
         self._ffi, self._lib = ffi, lib
         self._alloc = ffi.new_allocator(should_clear_after_alloc=False)  # zero-filling would cost a pass
@@ -74,11 +89,8 @@ class _AcceleratedLevel1:
         self._cctx = ffi.gc(lib.ZSTD_createCCtx(), lib.ZSTD_freeCCtx)
         if self._cctx == ffi.NULL:
             raise MemoryError("zstd could not allocate a compression context")
-        for parameter, value in ((lib.ZSTD_c_compressionLevel, 1), (lib.ZSTD_c_strategy, lib.ZSTD_fast),
-                                 (lib.ZSTD_c_hashLog, LEVEL1_HASH_LOG), (lib.ZSTD_c_targetLength, LEVEL1_ACCELERATION),
-                                 (lib.ZSTD_c_literalCompressionMode, lib.ZSTD_ps_enable),
-                                 (lib.ZSTD_c_contentSizeFlag, 1)):
-            self._check(lib.ZSTD_CCtx_setParameter(self._cctx, parameter, value))
+        for name, value in parameters:
+            self._check(lib.ZSTD_CCtx_setParameter(self._cctx, getattr(lib, name), value))
 
     def _check(self, code: int) -> int:
         if self._lib.ZSTD_isError(code):
@@ -92,19 +104,68 @@ class _AcceleratedLevel1:
         bound = self._lib.ZSTD_compressBound(len(source))
         if len(self._out) < bound:
             self._out = self._alloc("char[]", bound)
-        size = self._check(self._lib.ZSTD_compress2(self._cctx, self._out, len(self._out), source, len(source)))
-        return self._ffi.buffer(self._out, size)[:]
+        return self._ffi.buffer(self._out, self._check(self._frame(source)))[:]
+
+    def _frame(self, source: Any) -> int:
+        """Write ``source``'s frame into ``self._out``; its size (or a zstd error code)."""
+        raise NotImplementedError
 
 
-def _compressor(level: int, sparse: bool = False) -> Any:
-    """This thread's compressor for ``level`` (an object with ``compress(data) -> bytes``); ``sparse``: for data
-    that is mostly runs, which level 1 compresses without acceleration."""
-    accelerated = level == 1 and ACCELERATED and not sparse
+class _AcceleratedLevel1(_CffiContext):
+    """Level 1 with acceleration and Huffman-coded literals."""
+
+    def __init__(self) -> None:
+        lib = _CFFI[1]
+        super().__init__((("ZSTD_c_compressionLevel", 1), ("ZSTD_c_strategy", lib.ZSTD_fast),
+                          ("ZSTD_c_hashLog", LEVEL1_HASH_LOG), ("ZSTD_c_targetLength", LEVEL1_ACCELERATION),
+                          ("ZSTD_c_literalCompressionMode", lib.ZSTD_ps_enable), ("ZSTD_c_contentSizeFlag", 1)))
+
+    def _frame(self, source: Any) -> int:
+        return self._lib.ZSTD_compress2(self._cctx, self._out, len(self._out), source, len(source))
+
+
+class _LiteralsOnly(_CffiContext):
+    """Level 1 with no search: every byte a literal, Huffman-coded per block (a block of one repeated byte is
+    stored as a run, one whose literals would not shrink as raw bytes, as zstd does at any level)."""
+
+    def __init__(self) -> None:
+        lib = _CFFI[1]
+        super().__init__((("ZSTD_c_compressionLevel", 1), ("ZSTD_c_blockDelimiters", lib.ZSTD_sf_noBlockDelimiters),
+                          ("ZSTD_c_literalCompressionMode", lib.ZSTD_ps_enable), ("ZSTD_c_contentSizeFlag", 1)))
+        self._no_sequences = self._ffi.new("ZSTD_Sequence[]", 1)  # the API wants an array even for none
+
+    def _frame(self, source: Any) -> int:
+        return self._lib.ZSTD_compressSequences(self._cctx, self._out, len(self._out), self._no_sequences, 0,
+                                                source, len(source))
+
+
+#: how level 1 compresses data, by what its sample says: ``search`` (accelerated), ``runs`` (unaccelerated,
+#: for data that is mostly runs), ``literals`` (no search)
+Search = str
+
+
+def _search_for(sample_ratio: float | None) -> Search:
+    if sample_ratio is None:
+        return "search"
+    if sample_ratio < SPARSE_BELOW:
+        return "runs"
+    return "literals" if sample_ratio >= LITERALS_FROM else "search"
+
+
+def _compressor(level: int, search: Search = "search") -> Any:
+    """This thread's compressor for ``level`` (an object with ``compress(data) -> bytes``) and ``search`` (which
+    only level 1 distinguishes, and only where ``zstandard[cffi]`` is installed)."""
+    if level != 1 or not ACCELERATED or search == "runs":
+        kind = "plain"
+    else:
+        kind = "literals" if search == "literals" and LITERALS_ONLY else "search"
     cache = _local.__dict__.setdefault("compressors", {})
-    key = (level, accelerated)
+    key = (level, kind)
     if key not in cache:
-        if accelerated:
+        if kind == "search":
             cache[key] = _AcceleratedLevel1()
+        elif kind == "literals":
+            cache[key] = _LiteralsOnly()
         else:
             tuned = {"hash_log": LEVEL1_HASH_LOG} if level == 1 else {}
             params = zstandard.ZstdCompressionParameters.from_level(level, write_content_size=1, **tuned)
@@ -128,8 +189,9 @@ class Zstd(BytesStage):
         return _compressor(self.level).compress(data)
 
     def encode_sampled(self, data: memoryview, sample_ratio: float | None) -> bytes:
-        """:meth:`encode`; data whose sample compressed below ``SPARSE_BELOW`` is compressed without acceleration."""
-        return _compressor(self.level, sparse=sample_ratio is not None and sample_ratio < SPARSE_BELOW).compress(data)
+        """:meth:`encode`, at level 1 searching as the sample says: without acceleration below ``SPARSE_BELOW``
+        (mostly runs), not at all from ``LITERALS_FROM`` (literals only)."""
+        return _compressor(self.level, _search_for(sample_ratio)).compress(data)
 
     def decode(self, data: memoryview, out_size: int) -> bytes:
         return _decompressor().decompress(data, max_output_size=out_size)
