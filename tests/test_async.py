@@ -324,6 +324,23 @@ def test_staging_buffer_is_reused_and_grows_only_when_needed(tmp_path: Path) -> 
         assert_same_state(big, mgr.restore(10))
 
 
+def test_a_cpu_only_state_is_staged_in_ordinary_memory_where_cuda_is_available(tmp_path: Path,
+                                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pinning is for device-to-host copies: a state without CUDA tensors neither initialises CUDA nor page-locks
+    memory. (On this CPU-only machine, asking torch for pinned memory raises, so any attempt to pin fails here;
+    tests/test_cuda.py checks that a state with CUDA tensors gets a pinned buffer.)"""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    training = Training(width=64)
+    with manager(tmp_path / "vault") as mgr:
+        training.train()
+        expected = copy.deepcopy(training.state(1))
+        mgr.save(1, training.state(1))
+        assert mgr._saver._staging.capacity > 0 and not mgr._saver._staging.pinned
+        assert not mgr._saver._staging._buffer.is_pinned()
+        mgr.wait()
+        assert_same_state(expected, mgr.restore(1))
+
+
 def test_state_over_max_staging_bytes_is_saved_synchronously_with_a_warning(tmp_path: Path,
                                                                            caplog: pytest.LogCaptureFixture) -> None:
     store = QuotaStore(tmp_path / "vault", quota=None)

@@ -1,10 +1,13 @@
 """Host staging buffers for asynchronous saves.
 
-An asynchronous save copies the state into one flat host buffer (pinned when
-CUDA is available, so device-to-host copies run asynchronously), after which
-training may modify the state. The buffer is reused from save to save and
-grows only when a state needs more room, so steady-state saves allocate
-nothing. Only one save uses the buffer at a time (the saver guarantees it).
+An asynchronous save copies the state into one flat host buffer, after which
+training may modify the state. The buffer is pinned (page-locked) once a state
+holds CUDA tensors, so device-to-host copies run asynchronously; a state with
+none gets ordinary memory, so a CPU-only job neither initialises CUDA nor locks
+memory it does not need. The buffer is reused from save to save and grows only
+when a state needs more room (or a pinned one when pinning is first needed), so
+steady-state saves allocate nothing. Only one save uses the buffer at a time
+(the saver guarantees it).
 """
 
 from __future__ import annotations
@@ -34,20 +37,28 @@ def aligned_offsets(sizes: list[int]) -> tuple[list[int], int]:
 class StagingBuffer:
     """A reusable flat uint8 host buffer."""
 
-    def __init__(self, pin: bool | None = None) -> None:
-        self.pin = torch.cuda.is_available() if pin is None else pin
+    def __init__(self) -> None:
         self._buffer: torch.Tensor | None = None
+        self._pinned = False
 
     @property
     def capacity(self) -> int:
         return 0 if self._buffer is None else self._buffer.numel()
 
-    def acquire(self, nbytes: int) -> torch.Tensor:
-        """The buffer, grown to at least ``nbytes`` (contents undefined)."""
-        if self._buffer is None or self._buffer.numel() < nbytes:
+    @property
+    def pinned(self) -> bool:
+        """Whether the buffer holds pinned memory (False before the first save)."""
+        return self._pinned
+
+    def acquire(self, nbytes: int, pinned: bool = False) -> torch.Tensor:
+        """The buffer, grown to at least ``nbytes`` (contents undefined); ``pinned``: it must be pinned memory
+        (a pinned buffer also serves saves that do not need it)."""
+        if self._buffer is None or self._buffer.numel() < nbytes or (pinned and not self._pinned):
+            size = max(nbytes, self.capacity, 1)
             self._buffer = None  # free the old one before allocating the new
-            log.debug("allocating %d bytes of %sstaging memory", nbytes, "pinned " if self.pin else "")
-            self._buffer = torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=self.pin)
+            log.debug("allocating %d bytes of %sstaging memory", size, "pinned " if pinned else "")
+            self._buffer = torch.empty(size, dtype=torch.uint8, pin_memory=pinned)
+            self._pinned = pinned
         return self._buffer
 
     def copy_in(self, values: list[tuple[str, Any]], sizes: list[int]) -> list[memoryview]:
@@ -58,7 +69,7 @@ class StagingBuffer:
         one); tensors on other devices (mps, xpu, ...) with blocking copies.
         """
         offsets, total = aligned_offsets(sizes)
-        buffer = self.acquire(total)
+        buffer = self.acquire(total, pinned=any(kind == "torch" and value.device.type == "cuda" for kind, value in values))
         gpus: set[torch.device] = set()
         views = []
         for (kind, value), offset, size in zip(values, offsets, sizes, strict=True):
