@@ -39,7 +39,7 @@ class StagingBuffer:
 
     def __init__(self) -> None:
         self._buffer: torch.Tensor | None = None
-        self._pinned = False
+        self._pinned = False  # kept here, not asked of torch: is_pinned() on a CUDA machine may initialise CUDA
 
     @property
     def capacity(self) -> int:

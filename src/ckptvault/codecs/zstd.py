@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any
+from typing import Any, Literal
 
 import zstandard
 
@@ -141,7 +141,7 @@ class _LiteralsOnly(_CffiContext):
 
 #: how level 1 compresses data, by what its sample says: ``search`` (accelerated), ``runs`` (unaccelerated,
 #: for data that is mostly runs), ``literals`` (no search)
-Search = str
+Search = Literal["search", "runs", "literals"]
 
 
 def _search_for(sample_ratio: float | None) -> Search:
