@@ -79,13 +79,12 @@ if not ACCELERATED:
 
 
 class _CffiContext:
-    """A zstd compression context set up through the advanced API, with a reused output buffer; one per thread."""
+    """A zstd compression context set up through the advanced API; one per thread, like the output buffer that
+    the thread's contexts share."""
 
     def __init__(self, parameters: tuple[tuple[str, Any], ...]) -> None:
         ffi, lib = _CFFI
         self._ffi, self._lib = ffi, lib
-        self._alloc = ffi.new_allocator(should_clear_after_alloc=False)  # zero-filling would cost a pass
-        self._out = self._alloc("char[]", 0)  # grown on demand, reused
         self._cctx = ffi.gc(lib.ZSTD_createCCtx(), lib.ZSTD_freeCCtx)
         if self._cctx == ffi.NULL:
             raise MemoryError("zstd could not allocate a compression context")
@@ -98,17 +97,24 @@ class _CffiContext:
         return code
 
     def compress(self, data: Any) -> bytes:
-        """``data`` as one zstd frame. Compresses into this context's reused buffer (fresh memory would page-fault
-        on every call), then copies the frame out."""
+        """``data`` as one zstd frame. Compresses into this thread's reused output buffer (fresh memory would
+        page-fault on every call), then copies the frame out."""
         source = self._ffi.from_buffer(data)
-        bound = self._lib.ZSTD_compressBound(len(source))
-        if len(self._out) < bound:
-            self._out = self._alloc("char[]", bound)
-        return self._ffi.buffer(self._out, self._check(self._frame(source)))[:]
+        out = _output_buffer(self._lib.ZSTD_compressBound(len(source)))
+        return self._ffi.buffer(out, self._check(self._frame(source, out)))[:]
 
-    def _frame(self, source: Any) -> int:
-        """Write ``source``'s frame into ``self._out``; its size (or a zstd error code)."""
+    def _frame(self, source: Any, out: Any) -> int:
+        """Write ``source``'s frame into ``out``; its size (or a zstd error code)."""
         raise NotImplementedError
+
+
+def _output_buffer(nbytes: int) -> Any:
+    """This thread's buffer for compressed frames, grown to at least ``nbytes`` (contents undefined)."""
+    out = getattr(_local, "out", None)
+    if out is None or len(out) < nbytes:
+        ffi = _CFFI[0]
+        out = _local.out = ffi.new_allocator(should_clear_after_alloc=False)("char[]", nbytes)  # no zero-fill pass
+    return out
 
 
 class _AcceleratedLevel1(_CffiContext):
@@ -120,8 +126,8 @@ class _AcceleratedLevel1(_CffiContext):
                           ("ZSTD_c_hashLog", LEVEL1_HASH_LOG), ("ZSTD_c_targetLength", LEVEL1_ACCELERATION),
                           ("ZSTD_c_literalCompressionMode", lib.ZSTD_ps_enable), ("ZSTD_c_contentSizeFlag", 1)))
 
-    def _frame(self, source: Any) -> int:
-        return self._lib.ZSTD_compress2(self._cctx, self._out, len(self._out), source, len(source))
+    def _frame(self, source: Any, out: Any) -> int:
+        return self._lib.ZSTD_compress2(self._cctx, out, len(out), source, len(source))
 
 
 class _LiteralsOnly(_CffiContext):
@@ -134,9 +140,8 @@ class _LiteralsOnly(_CffiContext):
                           ("ZSTD_c_literalCompressionMode", lib.ZSTD_ps_enable), ("ZSTD_c_contentSizeFlag", 1)))
         self._no_sequences = self._ffi.new("ZSTD_Sequence[]", 1)  # the API wants an array even for none
 
-    def _frame(self, source: Any) -> int:
-        return self._lib.ZSTD_compressSequences(self._cctx, self._out, len(self._out), self._no_sequences, 0,
-                                                source, len(source))
+    def _frame(self, source: Any, out: Any) -> int:
+        return self._lib.ZSTD_compressSequences(self._cctx, out, len(out), self._no_sequences, 0, source, len(source))
 
 
 #: how level 1 compresses data, by what its sample says: ``search`` (accelerated), ``runs`` (unaccelerated,
