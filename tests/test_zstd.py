@@ -126,10 +126,12 @@ def test_byte_planes_compress_a_sparse_plane_without_acceleration_and_a_dense_on
 @settings(max_examples=200, deadline=None)
 @given(st.binary(max_size=1 << 16) | st.builds(_skewed_noise, st.integers(0, 1 << 17), st.integers(0, 9)))
 def test_frames_are_ordinary_zstd_frames_that_round_trip(data: bytes) -> None:
-    stored = Zstd(1).encode(memoryview(data))
-    assert zstandard.get_frame_parameters(stored).content_size == len(data)  # decoders size their output from it
-    assert zstandard.ZstdDecompressor().decompress(stored) == data
-    assert bytes(Zstd(1).decode(memoryview(stored), len(data))) == data
+    """Whichever way level 1 compresses (searched, unaccelerated for runs, literals only), empty input included."""
+    for ratio in (None, SPARSE_BELOW / 2, LITERALS_FROM):
+        stored = Zstd(1).encode_sampled(memoryview(data), ratio)
+        assert zstandard.get_frame_parameters(stored).content_size == len(data)  # decoders size their output from it
+        assert zstandard.ZstdDecompressor().decompress(stored) == data
+        assert bytes(Zstd(1).decode(memoryview(stored), len(data))) == data
 
 
 def test_each_thread_compresses_with_its_own_context() -> None:
