@@ -23,10 +23,11 @@ search changes, and any zstd decoder reads them.
   ``LITERALS_FROM`` of its size or more is written as literals only, Huffman-coded in zstd's own blocks (zstd's
   ``ZSTD_compressSequences`` given no sequences; :data:`LITERALS_ONLY`). The matches the search finds in such
   planes save less than the literals they take out cost to code. On W1's planes (``bench/plane_zstd.py``, one
-  thread, ns per byte and stored fraction, searched -> literals only): fp16's top byte of exp_avg 1.40 -> 1.00,
-  0.279 -> 0.267; exp_avg's sign-and-exponent byte XORed one step apart 1.65 -> 1.18, 0.169 -> 0.162; the
-  weights' high mantissa byte XORed one step apart 1.32 -> 1.05, 0.315 -> 0.305; exp_avg_sq's sign-and-exponent
-  byte 1.09 -> 0.96 at 0.307-0.308. Decoding is faster too (0.60 -> 0.43, 0.80 -> 0.43 ns/B on the first two).
+  thread, ns per byte and stored fraction, accelerated search -> literals only; BENCHMARKS.md, issue 5): fp16's
+  top byte of exp_avg 1.61 -> 0.99, 0.279 -> 0.267; exp_avg's sign-and-exponent byte XORed one step apart
+  1.66 -> 1.18, 0.169 -> 0.162; the weights' high mantissa byte XORed one step apart 1.43 -> 1.05, 0.315 ->
+  0.305; exp_avg_sq's sign-and-exponent byte 1.11 -> 0.98 at 0.307-0.308. Decoding is faster too (0.60 -> 0.43,
+  0.80 -> 0.43 ns/B on the first two).
   Below ``LITERALS_FROM`` runs pay: an fp16 low byte of exp_avg_sq whose sample compressed to 0.157 takes 0.099
   of its size searched, 0.179 as literals (whose Huffman codes cost at least a bit per byte).
 """
