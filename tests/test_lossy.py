@@ -469,13 +469,16 @@ def test_fused_kernels_store_exactly_what_torch_stores() -> None:
 
 @pytest.mark.parametrize("half", [False, True], ids=["bf16", "fp16"])
 def test_cast_kernels_count_every_special_value_whichever_block_it_falls_in(half: bool) -> None:
-    """The cast kernels count special cases only in blocks (of ``_BLOCK`` values) whose magnitudes leave the
-    ordinary range. Each value just inside or outside that range, alone in an otherwise ordinary block (at its
-    start, middle or end) that gets a fast pass, is counted as torch's cast says, the error sums equal float64 sums of the float32
-    differences, and two calls split off a block boundary count what one call counts."""
+    """The cast kernels count flushes in their fast pass and every other special case only in blocks (of
+    ``_BLOCK`` values) whose magnitudes reach the overflow bound (or leave the float32 sums' range). Each value
+    just inside or outside the flush bound (2^-25 for fp16: a tie, rounded to even, so to zero) or the overflow
+    bound, alone in an otherwise ordinary block (at its start, middle or end) that gets a fast pass, is counted
+    as torch's cast says, the error sums equal float64 sums of the float32 differences, and two calls split off
+    a block boundary count what one call counts."""
     block = lossy_kernels._BLOCK
-    lower, upper = (int(b) for b in (lossy_kernels._ORDINARY_HALF if half else lossy_kernels._ORDINARY_BF16))
-    edges = [lower - 1, lower, lower + 1, upper - 1, upper, upper + 1, 0x7F800000, 0x7FC00001, 0, 1]
+    flush = 0x33000000 if half else 0x00008000  # bits of the largest magnitude that may round to zero
+    upper = int(lossy_kernels._OVERFLOW_HALF if half else lossy_kernels._OVERFLOW_BF16)
+    edges = [flush - 1, flush, flush + 1, upper - 1, upper, upper + 1, 0x7F800000, 0x7FC00001, 0, 1]
     gen = np.random.default_rng(11)
     spacing = lossy_kernels._EXACT_RUN + 2  # after a special block, the next _EXACT_RUN are cast exactly anyway
     bits = (gen.standard_normal((spacing * len(edges) + 1) * block).astype(np.float32) * 0.02).view(np.uint32)
