@@ -596,8 +596,8 @@ def test_a_certainly_unsafe_result_is_not_measured_to_the_end() -> None:
     tiny = torch.rand(3 << 20, generator=torch.Generator().manual_seed(0)) * 1e-9  # fp16 flushes all of it
     encoded, notes = lossy.encode_safely("m", tiny, lossy.LossySpec("fp16"), lossy.SafetyPolicy())
     assert encoded is not None and encoded.spec.kind == "bf16" and "partial" not in encoded.error
-    assert notes == ["fp16 on 'm' is unsafe: 100.0% of non-zero values flushed to zero (limit 5.0%; measured on part "
-                     "of the tensor); fell back to bf16"]
+    assert notes == ["fp16 on 'm' is unsafe: 100.0% of non-zero values flushed to zero (limit 5.0%; measured on the "
+                     "first 262144 of 3145728 values); fell back to bf16"]  # 2^16 cast, then 2^16 and 2^17 counted
     big = torch.ones(3 << 20)
     big[-1] = 1e5
     with pytest.raises(LossyCodecError, match=r"fp16 on 'b' is unsafe: 1 values overflowed to inf"):
@@ -618,6 +618,81 @@ def test_a_certainly_unsafe_result_is_not_measured_to_the_end() -> None:
             continue
         assert kept is not None and "partial" not in kept.error
         assert torch.equal(kept.parts["q"], tiny.to(kept.parts["q"].dtype))
+
+
+def _sentinel_alloc(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An Alloc whose memory holds a value no encoding here writes: -128 for int8, 0xFFFF (a NaN) for 16 bits."""
+    t = torch.empty(shape, dtype=dtype)
+    t.view(torch.uint8).fill_(0x80 if dtype == torch.int8 else 0xFF)
+    return t
+
+
+@pytest.mark.parametrize("spec", [lossy.LossySpec("fp16"), lossy.LossySpec("int8-block", 256),
+                                  lossy.LossySpec("residual-int8", 256)], ids=["fp16", "int8", "residual"])
+def test_a_doomed_attempt_encodes_only_its_first_call_and_counts_the_rest(spec: lossy.LossySpec) -> None:
+    """Half the values flush, evenly spread: the attempt stops after its first kernel call (the rest of the
+    output is never written) and counts flushes without encoding (2^16, then 2^17 and 2^18 values) until
+    more than 5% of the tensor certainly flushes. Encoding instead of counting would have written those
+    values too. A residual has no such count: it encodes until the values encoded flush more than 5% of the
+    tensor even if the rest flushed nothing (three calls of 2^16, 2^17 and 2^18 values)."""
+    n, first = 4 << 20, lossy._KERNEL_BLOCKS[0]
+    gen = torch.Generator().manual_seed(3)
+    x = torch.rand(n, generator=gen) + 0.5
+    x[::2] = torch.rand(n // 2, generator=gen) * 1e-9 + 1e-12  # flushes in fp16, and in int8 next to 0.5..1.5
+    base = torch.zeros(n)  # a residual against zeros quantises x itself
+    stopped = lossy.encode(x, spec, base, give_up=0.05, alloc=_sentinel_alloc)
+    q = stopped.parts["q"].reshape(-1).view(torch.int16 if spec.kind == "fp16" else torch.int8)
+    sentinel = -1 if spec.kind == "fp16" else -128
+    written = int((q != sentinel).sum())
+    assert int((q[:written] != sentinel).sum()) == written  # the calls made wrote a prefix
+    assert written == (7 * first if spec.kind == "residual-int8" else first)
+    assert stopped.error["partial"] and stopped.error["values"] == n
+    assert stopped.error["examined"] == 7 * first if spec.kind == "residual-int8" else 8 * first
+    assert stopped.error["flushed"] == pytest.approx(0.5, abs=0.01)
+    assert lossy.encode(x, spec, base).error["flushed"] == pytest.approx(0.5, abs=1e-3)
+
+
+@pytest.mark.parametrize("spec", [lossy.LossySpec("fp16"), lossy.LossySpec("int8-block", 256)], ids=["fp16", "int8"])
+def test_a_tensor_unsafe_only_in_its_first_part_is_encoded_whole_and_kept(spec: lossy.LossySpec) -> None:
+    """The first kernel call's values all flush, the rest none: counting the rest shows the whole tensor safe
+    (1.6% flushed), so the attempt goes on to the end and is stored exactly as without the early check."""
+    n, first = 4 << 20, lossy._KERNEL_BLOCKS[0]
+    x = torch.rand(n, generator=torch.Generator().manual_seed(4)) + 0.5
+    x[:first] = 1e-9
+    if spec.kind == "int8-block":
+        x[:first:256] = 1.0  # each block's scale: the other values flush
+    encoded, notes = lossy.encode_safely("t", x, spec, lossy.SafetyPolicy())
+    assert encoded is not None and encoded.spec == spec and not notes and "partial" not in encoded.error
+    reference = lossy.encode(x, spec)
+    assert torch.equal(encoded.parts["q"], reference.parts["q"]) and encoded.error == reference.error
+    assert encoded.error["flushed"] == pytest.approx(first * (255 / 256 if spec.kind == "int8-block" else 1) / n)
+
+
+def test_flush_counts_agree_with_the_kernels() -> None:
+    """count_cast_flushes equals the cast kernels' non-zero and flushed counts on every kind of float32 (random
+    bit patterns, dense runs across fp16's flush bound); count_int8_flushes counts the same non-zero values and
+    at most the flushes quantise_int8 makes, nearly all of them on ordinary data, and none in blocks whose scale
+    is infinite, NaN or subnormal."""
+    gen = np.random.default_rng(9)
+    patterns = [gen.integers(0, 2**32, size=1 << 18, dtype=np.uint64).astype(np.uint32),
+                np.arange(0x32F00000, 0x33100000, 13, dtype=np.uint32), np.arange(0, 0x20000, 3, dtype=np.uint32)]
+    bits = np.concatenate(patterns)
+    q16 = np.empty(bits.size, np.uint16)
+    for half, cast in ((True, lossy_kernels.cast_fp16), (False, lossy_kernels.cast_bf16)):
+        sums = cast(bits, q16)
+        assert lossy_kernels.count_cast_flushes(bits, half) == (sums[3], sums[4]) and sums[4] > 1000, half
+    values = (gen.standard_normal(1 << 20) * np.exp(gen.uniform(-30, 5, 1 << 20))).astype(np.float32)
+    values[:256] = np.inf
+    values[256:512] = np.nan
+    values[512:768] = np.array([381] + [2] * 255, np.uint32).view(np.float32)  # scale 3 x 2^-149: half of it
+    values[600] = 0.0  # rounds up to 2 x 2^-149, which is 2/3 of the scale and so does not flush
+    q8, scale = np.empty(values.size, np.int8), np.empty(values.size // 256, np.float32)
+    sums = lossy_kernels.quantise_int8(values, 256, q8, scale)
+    nonzero, flushed = lossy_kernels.count_int8_flushes(values, 256)
+    finite_nonzero = np.isfinite(values) & (values != 0)
+    assert nonzero == sums[3] == int(finite_nonzero.sum())
+    assert 0.999 * sums[4] <= flushed <= sums[4] and flushed > 10_000
+    assert lossy_kernels.count_int8_flushes(values[:768], 256) == (255, 0)
 
 
 # -- entry points -------------------------------------------------------------------------------------------

@@ -141,10 +141,11 @@ def encode(t: torch.Tensor, spec: LossySpec, base: torch.Tensor | None = None, g
     The error is that of ``decode`` of the parts against ``t``. float32 tensors (with a float32 base) are
     encoded and measured in one pass per block by the fused kernels of :mod:`ckptvault.lossy_kernels`;
     others through torch, a full decode and :func:`measure`.
-    ``give_up``: stop a float32 encoding as soon as more than this fraction of all its values is known to
-    be flushed, or one overflowed or became NaN; the error then covers the blocks encoded and says
-    ``"partial": True``, and the parts hold only those blocks (the result is unsafe for any
-    ``max_flushed <= give_up``: such a result is for deciding, never for storing).
+    ``give_up``: stop a float32 encoding as soon as more than this fraction of its non-zero values is known
+    to flush, or one value overflowed or became NaN; the error then says ``"partial": True``, its flushed
+    fraction covers the first ``"examined"`` of its ``"values"`` values (encoded, or counted without
+    encoding), its other entries cover the blocks encoded, and the parts hold only those blocks (the result
+    is unsafe for any ``max_flushed <= give_up``: such a result is for deciding, never for storing).
     """
     base = base if spec.kind == "residual-int8" else None  # only a residual has a base
     if t.dtype == torch.float32 and (base is None or base.dtype == torch.float32):
@@ -180,7 +181,12 @@ _KERNEL_BLOCKS = (1 << 16, 1 << 20)
 
 def _encode_float32(t: torch.Tensor, spec: LossySpec, base: torch.Tensor | None, give_up: float | None,
                     alloc: Alloc) -> Encoded:
-    """:func:`encode` of a float32 tensor by the fused kernels, in calls of :data:`_KERNEL_BLOCKS` values."""
+    """:func:`encode` of a float32 tensor by the fused kernels, in calls of :data:`_KERNEL_BLOCKS` values.
+
+    With ``give_up``: after each call, an overflow or NaN stops the encoding. Once the values encoded flush
+    more than ``give_up`` of their non-zero values, :func:`_certainly_unsafe` counts the flushes of the rest
+    without encoding them (``count_*_flushes``: about twice as cheap); a doomed attempt so stops after its
+    first call and a count of a small part of the tensor, instead of encoding a large part of it."""
     from . import lossy_kernels  # numba: imported (and its kernels loaded) on first lossy use only
 
     flat = t.detach().reshape(-1)
@@ -193,6 +199,10 @@ def _encode_float32(t: torch.Tensor, spec: LossySpec, base: torch.Tensor | None,
 
         def run(lo: int, hi: int) -> Sums:
             return cast(bits[lo:hi], out[lo:hi])
+
+        def count_cast(lo: int, hi: int) -> tuple[int, int]:
+            return lossy_kernels.count_cast_flushes(bits[lo:hi], spec.kind == "fp16")
+        count_flushes: Callable[[int, int], tuple[int, int]] | None = count_cast
     else:
         block = spec.block
         q = alloc("q", (-(-n // block), block), torch.int8)
@@ -206,15 +216,50 @@ def _encode_float32(t: torch.Tensor, spec: LossySpec, base: torch.Tensor | None,
             if bases is None:
                 return lossy_kernels.quantise_int8(values[lo:hi], block, out[lo:hi], blocks)
             return lossy_kernels.quantise_int8_residual(values[lo:hi], bases[lo:hi], block, out[lo:hi], blocks)
+
+        def count_int8(lo: int, hi: int) -> tuple[int, int]:
+            return lossy_kernels.count_int8_flushes(values[lo:hi], block)
+        count_flushes = count_int8 if bases is None else None  # residuals: no cheap count
     total = _Sums()
-    lo, step = 0, _KERNEL_BLOCKS[0]
+    lo, step, counted = 0, _KERNEL_BLOCKS[0], False
     while lo < n:
-        hi = min(n, lo + max(unit, step - step % unit))  # whole int8 blocks per call
+        hi = min(n, lo + _whole(step, unit))
         total.add(run(lo, hi))
         lo, step = hi, min(2 * step, _KERNEL_BLOCKS[1])
-        if give_up is not None and total.certainly_unsafe(give_up, n) and lo < n:
-            return Encoded(spec, parts, {**total.result(), "partial": True})  # the rest would not change that
+        if give_up is None or lo >= n:
+            continue
+        if total.overflow or total.nan:
+            return Encoded(spec, parts, {**total.result(), "partial": True, "examined": lo, "values": n})
+        if not counted and total.flushed > give_up * total.nonzero:  # unsafe so far: is the whole tensor?
+            counted = count_flushes is not None  # once; without a count, the worst case after every call
+            examined = _certainly_unsafe(total, lo, n, give_up, count_flushes, unit)
+            if examined is not None:
+                return Encoded(spec, parts, {**total.result(), "partial": True, "examined": examined, "values": n})
     return Encoded(spec, parts, total.result())
+
+
+def _whole(step: int, unit: int) -> int:
+    """``step`` values rounded down to whole int8 blocks of ``unit`` (at least one)."""
+    return max(unit, step - step % unit)
+
+
+def _certainly_unsafe(total: _Sums, lo: int, n: int, give_up: float,
+                      count_flushes: Callable[[int, int], tuple[int, int]] | None, unit: int) -> int | None:
+    """With values ``[0, lo)`` of ``n`` encoded into ``total``: count the flushes of the values after them in
+    pieces that double in size (none without ``count_flushes``), until more than ``give_up`` of the tensor's
+    non-zero values certainly flush (even if every value not yet counted is non-zero and does not flush).
+    Then ``total`` holds the counts of the values examined and their number is returned; None if that never
+    happens (the tensor may be safe: it must be encoded to the end). The counts are exact for casts and a
+    lower bound on the flushes for int8, which is all this needs."""
+    nonzero, flushed, end, step = total.nonzero, total.flushed, lo, _KERNEL_BLOCKS[0]
+    while flushed <= give_up * (nonzero + n - end):
+        if count_flushes is None or end >= n:
+            return None
+        hi = min(n, end + _whole(step, unit))
+        c, f = count_flushes(end, hi)
+        nonzero, flushed, end, step = nonzero + c, flushed + f, hi, 2 * step
+    total.nonzero, total.flushed = nonzero, flushed
+    return end
 
 
 def _numpy(t: torch.Tensor, dtype: torch.dtype | None = None) -> np.ndarray:
@@ -234,9 +279,6 @@ class _Sums:
         self.err_sq, self.ref_sq = self.err_sq + sums[1], self.ref_sq + sums[2]
         self.nonzero, self.flushed = self.nonzero + sums[3], self.flushed + sums[4]
         self.overflow, self.nan = self.overflow + sums[5], self.nan + sums[6]
-
-    def certainly_unsafe(self, give_up: float, numel: int) -> bool:
-        return bool(self.overflow or self.nan or self.flushed > give_up * numel)
 
     def result(self) -> dict[str, float]:
         max_abs = float(np.array(self.max_bits, dtype=np.uint32).view(np.float32))
@@ -318,12 +360,14 @@ def error_for_manifest(error: dict[str, float]) -> dict[str, float | str]:
 
 def unsafe_reason(error: dict[str, float], policy: SafetyPolicy) -> str | None:
     """Why an encoding destroys data, or None if it is acceptable."""
-    least, part = ("at least ", "; measured on part of the tensor") if error.get("partial") else ("", "")
+    partial = error.get("partial")
+    least = "at least " if partial else ""
     if error["overflow"]:
         return f"{least}{int(error['overflow'])} values overflowed to inf"
     if error["nan"]:
         return f"{least}{int(error['nan'])} values became NaN"
     if error["flushed"] > policy.max_flushed:
+        part = f"; measured on the first {int(error['examined'])} of {int(error['values'])} values" if partial else ""
         return f"{error['flushed']:.1%} of non-zero values flushed to zero (limit {policy.max_flushed:.1%}{part})"
     return None
 

@@ -41,6 +41,11 @@ _U32 = np.uint32
 _SIGN, _MAG, _INF = _U32(0x80000000), _U32(0x7FFFFFFF), _U32(0x7F800000)
 _FAST = {"reassoc"}  # lets the float64 sums vectorise; no contraction, so a decode equals torch's mul then add
 _BLOCK = 4096  # values per block of the cast kernels' fast pass (a block's counts fit in uint32)
+#: the largest float32 magnitudes (as bits) that cast to a zero bfloat16 / float16: the ties next to the smallest
+#: subnormal, which round to even, so to zero (2^-25 for float16). Casts are monotonic: every non-zero value at
+#: or below flushes, and none above.
+_FLUSH_BF16 = _U32(0x00008000)
+_FLUSH_HALF = _U32(0x33000000)
 #: float32 magnitudes (as bits) from which a value may cast to an infinite bfloat16 / float16, or is inf or
 #: NaN: the ties next to the largest finite value (bfloat16's, and 65520 for float16). Below them every value
 #: casts to a finite one (perhaps zero: the fast pass counts those flushes).
@@ -320,3 +325,49 @@ def quantise_int8_residual(x, base, block, q, scale):  # type: ignore[no-untyped
     """:func:`quantise_int8` of ``x - base`` (float32, same length); decoding is ``base + q * scale``.
     Returns :data:`Sums` against ``x``."""
     return _quantise_int8(x, base, block, q, scale, True)
+
+
+# -- counting flushes without encoding: how a doomed attempt gives up early ----------------------------------------
+@njit(inline="always")
+def _count_flushes_below(xs, bound):  # type: ignore[no-untyped-def]
+    """(finite non-zero values, those whose magnitude is at most float32 bits ``bound``) of float32 bits ``xs``,
+    at most ``_BLOCK`` of them (uint32 counts)."""
+    nonzero = flushed = _U32(0)
+    for i in range(xs.size):
+        mag = _U32(xs[i] & _MAG)
+        nonzero = _count(nonzero, mag != _U32(0) and mag < _INF)
+        flushed = _count(flushed, mag != _U32(0) and mag <= bound)
+    return nonzero, flushed
+
+
+@njit(nogil=True, cache=True)
+def count_cast_flushes(x, half):  # type: ignore[no-untyped-def]
+    """(finite non-zero values, values the cast flushes) of float32 bits ``x`` (uint32[n]) cast to float16
+    (``half``) or bfloat16, without casting: exactly the ``nonzero`` and ``flushed`` of :data:`Sums`."""
+    bound = _FLUSH_HALF if half else _FLUSH_BF16
+    nonzero = flushed = 0
+    for start in range(0, x.size, _BLOCK):
+        c, f = _count_flushes_below(x[start : start + _BLOCK], bound)
+        nonzero, flushed = nonzero + c, flushed + f
+    return nonzero, flushed
+
+
+@njit(nogil=True, cache=True)
+def count_int8_flushes(x, block):  # type: ignore[no-untyped-def]
+    """(finite non-zero values, a lower bound on the values :func:`quantise_int8` flushes) of float32 ``x`` in
+    blocks of ``block``, without quantising: a value at most half its block's scale in magnitude flushes for
+    certain (its quotient is at most 0.5, which rounds to 0). Counted only in blocks whose scale is a normal
+    float32 (so half of it is exact) and finite; other blocks add only their non-zero values."""
+    nonzero = flushed = 0
+    for k in range((x.size + block - 1) // block):
+        xs = x[k * block : (k + 1) * block].view(np.uint32)
+        absmax_bits = _U32(0)
+        for i in range(xs.size):
+            absmax_bits = max(absmax_bits, _U32(xs[i] & _MAG))
+        s = _as_float(absmax_bits) / np.float32(127.0)  # as quantise_int8 computes it
+        normal = absmax_bits < _INF and _U32(_as_bits(s) & _MAG) >= _U32(0x00800000)
+        bound = _as_bits(s * np.float32(0.5)) if normal else _U32(0)
+        for start in range(0, xs.size, _BLOCK):
+            c, f = _count_flushes_below(xs[start : start + _BLOCK], bound)
+            nonzero, flushed = nonzero + c, flushed + f
+    return nonzero, flushed
