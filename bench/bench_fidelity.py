@@ -15,6 +15,12 @@ Three parts (``--parts``):
   ``encode_safely`` (error measurement and fallbacks included) followed by that lossless codec on what it
   stores. Residuals are against the +0 keyframe. Best of ``--reps``. Lossy outputs go to buffers kept
   from one rep to the next (``LossyBuffers``), as asynchronous saves keep them from one save to the next.
+  Measured twice, interleaved: the codecs alone, and as a save encodes, which also names each 4 MiB chunk
+  by the blake3 hash of its stored bytes (``chunk_id``) before compressing it.
+* ``saves``: the same +10 state, per tensor group: a real synchronous save of the group alone into a fresh
+  vault (in ``--save-dir``, tmpfs by default, so the disk does not decide) with one worker, every tensor
+  ruled to the codec, no deltas. Median wall and CPU time of ``--reps`` saves, codecs interleaved; ratios
+  to the lossless save. Lossy outputs go to fresh memory, as in any synchronous save.
 * ``fidelity``: a GPT of ``--train-size`` (default ``dev``: 9M parameters, the full model trains at seconds
   per step on 2 shared cores) trained ``--warmup`` steps; its state 10 steps earlier is saved as the
   keyframe and the state at ``--warmup`` as the checkpoint with each preset, restored, and trained on for
@@ -33,6 +39,7 @@ import json
 import logging
 import os
 import shutil
+import statistics
 import sys
 import time
 import warnings
@@ -49,6 +56,7 @@ from ckptvault import CheckpointManager  # noqa: E402
 from ckptvault.codecs import chain_for, encode_chain  # noqa: E402
 from ckptvault.demo.data import batch, stdlib_bytes  # noqa: E402
 from ckptvault.demo.model import GPT, num_params  # noqa: E402
+from ckptvault.format.chunk_object import chunk_id  # noqa: E402
 from ckptvault.lossy import SafetyPolicy, encode_safely, parse_codec  # noqa: E402
 from ckptvault.lossy_stage import LossyBuffers  # noqa: E402
 from ckptvault.presets import PRESETS  # noqa: E402
@@ -107,23 +115,30 @@ def sizes(states: wi.States, work: Path) -> dict[str, Any]:
 
 
 # -- throughput ----------------------------------------------------------------------------------------------------
-def lossless_bytes(t: torch.Tensor, codec: str = "zstd") -> int:
+def lossless_bytes(t: torch.Tensor, codec: str = "zstd", chunk_ids: bool = False) -> int:
+    """Bytes ``codec`` stores of ``t`` in 4 MiB slices; ``chunk_ids``: also hash each slice, as a save names it."""
     raw = memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy())
     stages = chain_for(codec, t.element_size())
-    return sum(len(encode_chain(raw[s : s + SLICE], stages)[1]) for s in range(0, raw.nbytes, SLICE))
+    stored = 0
+    for s in range(0, raw.nbytes, SLICE):
+        if chunk_ids:
+            chunk_id(raw[s : s + SLICE])
+        stored += len(encode_chain(raw[s : s + SLICE], stages)[1])
+    return stored
 
 
 #: output memory kept from one rep to the next, as an asynchronous save keeps it from one save to the next
 BUFFERS = LossyBuffers()
 
 
-def lossy_bytes(path: str, t: torch.Tensor, codec: str, base: torch.Tensor | None) -> tuple[int, str]:
+def lossy_bytes(path: str, t: torch.Tensor, codec: str, base: torch.Tensor | None, chunk_ids: bool = False
+                ) -> tuple[int, str]:
     spec, lossless = parse_codec(codec, "zstd")
     assert spec is not None
     encoded, _notes = encode_safely(path, t, spec, SafetyPolicy(), base, BUFFERS.allocator(f"{codec}/{path}"))
     if encoded is None:
-        return lossless_bytes(t, lossless), "lossless"
-    return sum(lossless_bytes(p, lossless) for p in encoded.parts.values()), encoded.spec.name
+        return lossless_bytes(t, lossless, chunk_ids), "lossless"
+    return sum(lossless_bytes(p, lossless, chunk_ids) for p in encoded.parts.values()), encoded.spec.name
 
 
 def groups_of(state: Any) -> dict[str, list[tuple[str, torch.Tensor]]]:
@@ -136,7 +151,8 @@ def groups_of(state: Any) -> dict[str, list[tuple[str, torch.Tensor]]]:
 
 
 def throughput(states: wi.States, reps: int) -> dict[str, Any]:
-    """Best of ``reps`` per codec; the reps interleave the codecs, so a change in the machine's load hits all alike."""
+    """Best of ``reps`` per codec, alone and with chunk ids; the reps interleave the codecs and both ways, so a
+    change in the machine's load hits all alike."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     keyframe = dict(tensor_leaves(states[0]))
@@ -145,14 +161,16 @@ def throughput(states: wi.States, reps: int) -> dict[str, Any]:
         for group, tensors in groups_of(states[10]).items():
             nbytes = sum(t.numel() * 4 for _p, t in tensors)
             codecs = ["lossless", "bf16", "fp16", "int8-block:256"] + (["residual-int8:256"] if group == "weights" else [])
-            best = dict.fromkeys(codecs, float("inf"))
+            best = {(codec, ids): float("inf") for codec in codecs for ids in (False, True)}
             out[group] = {"bytes": nbytes}
             for _ in range(reps):
                 for codec in codecs:
-                    start = time.perf_counter()
-                    stored, used = _encode_group(tensors, codec, keyframe)
-                    best[codec] = min(best[codec], time.perf_counter() - start)
-                    out[group][codec] = {"gbps": nbytes / best[codec] / 1e9, "ratio": stored / nbytes, "used": used}
+                    for ids in (False, True):
+                        start = time.perf_counter()
+                        stored, used = _encode_group(tensors, codec, keyframe, ids)
+                        best[codec, ids] = min(best[codec, ids], time.perf_counter() - start)
+                    out[group][codec] = {"gbps": nbytes / best[codec, False] / 1e9, "ratio": stored / nbytes,
+                                         "used": used, "gbps_with_ids": nbytes / best[codec, True] / 1e9}
             for codec in codecs:
                 log.info("throughput %s %s: %s", group, codec, out[group][codec])
     finally:
@@ -160,15 +178,59 @@ def throughput(states: wi.States, reps: int) -> dict[str, Any]:
     return out
 
 
-def _encode_group(tensors: list[tuple[str, torch.Tensor]], codec: str, keyframe: dict[str, torch.Tensor]
-                  ) -> tuple[int, list[str]]:
+def _encode_group(tensors: list[tuple[str, torch.Tensor]], codec: str, keyframe: dict[str, torch.Tensor],
+                  chunk_ids: bool = False) -> tuple[int, list[str]]:
     """(stored bytes, codecs actually used) of encoding ``tensors`` with ``codec`` then its lossless stage."""
     if codec == "lossless":
-        return sum(lossless_bytes(t) for _p, t in tensors), ["zstd"]
+        return sum(lossless_bytes(t, chunk_ids=chunk_ids) for _p, t in tensors), ["zstd"]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
-        results = [lossy_bytes(p, t, codec, keyframe[p] if codec.startswith("residual") else None) for p, t in tensors]
+        results = [lossy_bytes(p, t, codec, keyframe[p] if codec.startswith("residual") else None, chunk_ids)
+                   for p, t in tensors]
     return sum(r[0] for r in results), sorted({r[1] for r in results})
+
+
+# -- real saves ----------------------------------------------------------------------------------------------------
+SAVE_CODECS = ("lossless", "bf16", "fp16", "int8-block:256")
+
+
+def saves(states: wi.States, reps: int, save_dir: Path) -> dict[str, Any]:
+    """Median (wall s, CPU s) of ``reps`` synchronous saves per group and codec; see the module docstring."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    times: dict[str, dict[str, list[tuple[float, float]]]] = {}
+    out: dict[str, Any] = {}
+    try:
+        for codec in SAVE_CODECS:  # untimed: a process's first save loads the numba kernels (about 0.4 s)
+            _timed_save({"warm_up": states[10]["model"]["tok.weight"]}, codec, save_dir / codec)
+        for _ in range(reps):
+            for group, tensors in groups_of(states[10]).items():
+                state = {p.replace(".", "_"): t for p, t in tensors}
+                out.setdefault(group, {"bytes": sum(t.numel() * 4 for t in state.values())})
+                for codec in SAVE_CODECS:
+                    times.setdefault(group, {}).setdefault(codec, []).append(_timed_save(state, codec, save_dir / codec))
+    finally:
+        torch.set_num_threads(threads)
+    for group, row in times.items():
+        for codec, runs in row.items():
+            out[group][codec] = {"wall_s": statistics.median(w for w, _c in runs),
+                                 "cpu_s": statistics.median(c for _w, c in runs)}
+            log.info("saves %s %s: %s", group, codec, out[group][codec])
+    return out
+
+
+def _timed_save(state: dict[str, torch.Tensor], codec: str, vault: Path) -> tuple[float, float]:
+    shutil.rmtree(vault, ignore_errors=True)
+    mgr = CheckpointManager(vault, codec_rules=[("*", codec)], workers=1, async_save=False, incremental=False)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # fallbacks
+            wall, cpu = time.perf_counter(), time.process_time()
+            mgr.save(1, state)
+            return time.perf_counter() - wall, time.process_time() - cpu
+    finally:
+        mgr.close()
+        shutil.rmtree(vault, ignore_errors=True)
 
 
 # -- fidelity ------------------------------------------------------------------------------------------------------
@@ -286,6 +348,22 @@ def report(results: dict[str, Any], meta: dict[str, Any]) -> str:
             cells = [_throughput_cell(row[c], c) if c in row else "-"
                      for c in ("lossless", "bf16", "fp16", "int8-block:256", "residual-int8:256")]
             lines.append(f"| {group} | " + " | ".join(cells) + " |")
+        lines += ["", "## The same as a save encodes (each 4 MiB chunk also named by its blake3 hash), GB/s "
+                  "(ratio to lossless)", "",
+                  "| group | lossless | bf16 | fp16 | int8-block:256 | residual-int8:256 |", "|---|---|---|---|---|---|"]
+        for group, row in results["throughput"].items():
+            lossless = row["lossless"]["gbps_with_ids"]
+            cells = [f"{row[c]['gbps_with_ids']:.2f} ({row[c]['gbps_with_ids'] / lossless:.2f}x)" if c in row else "-"
+                     for c in ("lossless", "bf16", "fp16", "int8-block:256", "residual-int8:256")]
+            lines.append(f"| {group} | " + " | ".join(cells) + " |")
+        lines.append("")
+    if "saves" in results:
+        lines += ["## Synchronous saves of each group alone, one worker, GB/s of float32 input (wall-time and CPU-time "
+                  "ratios to lossless)", "", "| group | " + " | ".join(SAVE_CODECS) + " |", "|---" * (len(SAVE_CODECS) + 1) + "|"]
+        for group, row in results["saves"].items():
+            cells = [f"{row['bytes'] / row[c]['wall_s'] / 1e9:.2f} ({row['lossless']['wall_s'] / row[c]['wall_s']:.2f}x, "
+                     f"CPU {row['lossless']['cpu_s'] / row[c]['cpu_s']:.2f}x)" for c in SAVE_CODECS]
+            lines.append(f"| {group} | " + " | ".join(cells) + " |")
         lines.append("")
     if "fidelity" in results:
         fid = results["fidelity"]
@@ -315,8 +393,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size", choices=sorted(SIZES), default="full", help="W1 size for sizes and throughput")
     parser.add_argument("--train-size", choices=sorted(SIZES), default="dev", help="GPT size for the fidelity runs")
-    parser.add_argument("--parts", default="sizes,throughput,fidelity")
-    parser.add_argument("--reps", type=int, default=3, help="throughput: best of N")
+    parser.add_argument("--parts", default="sizes,throughput,saves,fidelity")
+    parser.add_argument("--reps", type=int, default=3, help="throughput: best of N; saves: median of N")
+    parser.add_argument("--save-dir", type=Path, default=Path("/dev/shm/ckptvault-bench-saves") if Path("/dev/shm").is_dir()
+                        else OUT_DIR / "saves", help="saves: where the vaults go (tmpfs by default)")
     parser.add_argument("--warmup", type=int, default=20, help="fidelity: training steps before the checkpoint (>= 10)")
     parser.add_argument("--steps", type=int, default=50, help="fidelity: steps trained after the restore")
     parser.add_argument("--eval-every", type=int, default=10)
@@ -331,12 +411,14 @@ def main(argv: list[str] | None = None) -> int:
             "load_before": [round(x, 1) for x in os.getloadavg()],
             "command": " ".join([".venv/bin/python", "bench/bench_fidelity.py", *(argv if argv is not None else sys.argv[1:])])}
     results: dict[str, Any] = {}
-    if parts & {"sizes", "throughput"}:
+    if parts & {"sizes", "throughput", "saves"}:
         states = wi.w1_states(args.size)
         if "sizes" in parts:
             results["sizes"] = sizes(states, work)
         if "throughput" in parts:
             results["throughput"] = throughput(states, args.reps)
+        if "saves" in parts:
+            results["saves"] = saves(states, args.reps, args.save_dir)
         del states
     if "fidelity" in parts:
         results["fidelity"] = fidelity(args.train_size, args.warmup, args.steps, args.eval_every, work)
