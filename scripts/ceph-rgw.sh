@@ -9,6 +9,8 @@
 # DIR (default: a new /tmp/ckv-rgw.XXXXXX) holds every byte of state; it must be short, because admin socket paths
 # must stay under 108 bytes. After `start`, DIR/rgw.env holds shell assignments:
 #   CKV_S3_ENDPOINT=http://127.0.0.1:PORT AWS_ACCESS_KEY_ID=... AWS_SECRET_ACCESS_KEY=... CKV_RGW_DIR=DIR CKV_RGW_PIDS="..."
+#   CKV_S3_TLS_ENDPOINT=https://127.0.0.1:PORT CKV_S3_CA=DIR/tls/cert.pem   (the same gateway over TLS, with a
+#   self-signed certificate for 127.0.0.1 made by openssl at start; CKV_S3_CA is the CA bundle that verifies it)
 # and the last line of stdout is the path of that file. With CKV_RGW_PARENT_PID=PID set, a watchdog runs `stop`
 # once that process has exited (so a killed test run leaves no daemons behind). Exit status is non-zero, with the daemon logs' tails on
 # stderr, if the gateway does not serve requests within CKV_RGW_TIMEOUT seconds (default 60).
@@ -19,7 +21,7 @@
 # the OSD's heap, so bluestore on a sparse file is used; the paxos/shard/aio settings cut startup from ~13 s to ~3 s.
 set -euo pipefail
 
-PACKAGES=(ceph-mon ceph-osd radosgw ceph-common)
+PACKAGES=(ceph-mon ceph-osd radosgw ceph-common openssl)
 TIMEOUT=${CKV_RGW_TIMEOUT:-60}
 
 log() { echo "ceph-rgw: $*" >&2; }
@@ -38,7 +40,7 @@ trap cleanup_failed_start EXIT
 
 install_ceph() {
     if command -v ceph-mon >/dev/null && command -v ceph-osd >/dev/null && command -v radosgw >/dev/null \
-        && command -v radosgw-admin >/dev/null && command -v monmaptool >/dev/null; then
+        && command -v radosgw-admin >/dev/null && command -v monmaptool >/dev/null && command -v openssl >/dev/null; then
         return 0
     fi
     [ "$(id -u)" = 0 ] || die "Ceph is not installed and installing it needs root: apt-get install ${PACKAGES[*]}"
@@ -53,8 +55,8 @@ free_port() {
     python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1]); s.close()'
 }
 
-write_conf() {  # DIR MON_PORT RGW_PORT FSID
-    local dir=$1 mon_port=$2 rgw_port=$3 fsid=$4
+write_conf() {  # DIR MON_PORT RGW_PORT TLS_PORT FSID
+    local dir=$1 mon_port=$2 rgw_port=$3 tls_port=$4 fsid=$5
     cat >"$dir/ceph.conf" <<EOF
 [global]
 fsid = $fsid
@@ -96,7 +98,7 @@ osd memory target = 939524096
 bluestore cache autotune = false
 bluestore cache size = 134217728
 [client.rgw.a]
-rgw frontends = beast endpoint=127.0.0.1:$rgw_port tcp_nodelay=1
+rgw frontends = beast endpoint=127.0.0.1:$rgw_port ssl_endpoint=127.0.0.1:$tls_port ssl_certificate=$dir/tls/cert.pem ssl_private_key=$dir/tls/key.pem tcp_nodelay=1
 rgw data = $dir/rgw
 rgw thread pool size = 64
 EOF
@@ -150,15 +152,18 @@ start() {
         [ -z "$(ls -A "$dir")" ] || die "$dir is not empty"
     fi
     [ ${#dir} -le 60 ] || die "state directory $dir is too long: admin socket paths must stay under 108 bytes"
-    mkdir -p "$dir"/{run,log,mon,osd/ceph-0,rgw}
+    mkdir -p "$dir"/{run,log,mon,osd/ceph-0,rgw,tls}
     : >"$dir/pids"
     STARTING_DIR=$dir
-    local mon_port rgw_port fsid osd_uuid conf="$dir/ceph.conf"
+    local mon_port rgw_port tls_port fsid osd_uuid conf="$dir/ceph.conf"
     mon_port=$(free_port)
     rgw_port=$(free_port)
+    tls_port=$(free_port)
     fsid=$(python3 -c 'import uuid; print(uuid.uuid4())')
     osd_uuid=$(python3 -c 'import uuid; print(uuid.uuid4())')
-    write_conf "$dir" "$mon_port" "$rgw_port" "$fsid"
+    openssl req -x509 -newkey rsa:2048 -nodes -days 7 -subj "/CN=127.0.0.1" -addext "subjectAltName=IP:127.0.0.1" \
+        -keyout "$dir/tls/key.pem" -out "$dir/tls/cert.pem" >>"$dir/log/setup.out" 2>&1 || die "openssl could not make a certificate"
+    write_conf "$dir" "$mon_port" "$rgw_port" "$tls_port" "$fsid"
     local c=(-c "$conf")
 
     monmaptool --create --fsid "$fsid" --addv a "[v2:127.0.0.1:$mon_port]" "$dir/monmap" >>"$dir/log/setup.out" 2>&1 \
@@ -190,6 +195,8 @@ start() {
     pids=$(tr '\n' ' ' <"$dir/pids" | sed 's/ $//')
     cat >"$dir/rgw.env" <<EOF
 CKV_S3_ENDPOINT=$endpoint
+CKV_S3_TLS_ENDPOINT=https://127.0.0.1:$tls_port
+CKV_S3_CA=$dir/tls/cert.pem
 AWS_ACCESS_KEY_ID=$access
 AWS_SECRET_ACCESS_KEY=$secret
 AWS_DEFAULT_REGION=us-east-1
@@ -221,7 +228,7 @@ stop() {
     done
     case "$dir" in
         /tmp/ckv-rgw.*) rm -rf "$dir" ;;  # made by start: all ours
-        *) rm -rf "$dir"/{run,log,mon,osd,rgw} "$dir"/{pids,rgw.env,ceph.conf,monmap} ;;
+        *) rm -rf "$dir"/{run,log,mon,osd,rgw,tls} "$dir"/{pids,rgw.env,ceph.conf,monmap} ;;
     esac
     log "stopped ${pids//$'\n'/ }"
 }

@@ -5,7 +5,8 @@ Load the fixtures in a test module with::
     pytest_plugins = ["conftest_s3"]
 
 * ``rgw`` (session): a :class:`Gateway` (endpoint, keys, ``options()`` for
-  storage_options, ``env()`` for subprocesses). The gateway starts once per
+  storage_options, ``env()`` for subprocesses, and ``tls_options()`` for the
+  same gateway over https with its self-signed certificate). The gateway starts once per
   test process (the first test that needs it pays ~3-10 s, plus the apt-get
   install of Ceph on a fresh machine) and is stopped at exit; a watchdog of the
   script stops it too if the process is killed.
@@ -41,11 +42,19 @@ class Gateway:
     access_key: str
     secret_key: str
     state_dir: str | None  # None for an external service
+    tls_endpoint: str | None = None  # the same gateway over https (None for an external service)
+    ca_file: str | None = None  # the CA bundle that verifies tls_endpoint's certificate
 
     def options(self, **extra: Any) -> dict[str, Any]:
         """storage_options for an S3Store on this gateway."""
         return {"endpoint_url": self.endpoint, "aws_access_key_id": self.access_key,
                 "aws_secret_access_key": self.secret_key, "region_name": "us-east-1", **extra}
+
+    def tls_options(self, **extra: Any) -> dict[str, Any]:
+        """storage_options for an S3Store on this gateway over https (skips the test without one)."""
+        if self.tls_endpoint is None:
+            pytest.skip("the external S3 service has no https endpoint configured for the tests")
+        return self.options(**{"endpoint_url": self.tls_endpoint, "verify": self.ca_file, **extra})
 
     def env(self) -> dict[str, str]:
         """Environment for a subprocess (the CLI) that should reach this gateway through the standard variables."""
@@ -81,7 +90,8 @@ def _start() -> Gateway:
     values = {k: v.strip().strip('"') for k, v in values.items()}
     state_dir = values["CKV_RGW_DIR"]
     atexit.register(_stop, state_dir)
-    return Gateway(values["CKV_S3_ENDPOINT"], values["AWS_ACCESS_KEY_ID"], values["AWS_SECRET_ACCESS_KEY"], state_dir)
+    return Gateway(values["CKV_S3_ENDPOINT"], values["AWS_ACCESS_KEY_ID"], values["AWS_SECRET_ACCESS_KEY"], state_dir,
+                   values["CKV_S3_TLS_ENDPOINT"], values["CKV_S3_CA"])
 
 
 def _stop(state_dir: str) -> None:
