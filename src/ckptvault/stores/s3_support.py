@@ -51,6 +51,7 @@ class S3Options:
     aws_session_token: str | None = None
     addressing_style: str | None = None    # "virtual" (bucket.host, COS needs it), "path" (host/bucket), "auto"
     verify: bool | str | None = None       # TLS verification: False, or a CA bundle path
+    sign_payloads: bool | None = None      # SHA-256 of request bodies in the signature; None: over http only
     workers: int = 16                      # threads a vault uses for chunk I/O here (requests wait on the network)
     max_concurrency: int = 8               # parallel part uploads / ranged reads of one object
     multipart_threshold: int = 64 * MiB    # put() of larger objects uses multipart upload
@@ -81,6 +82,9 @@ class S3Options:
         if opts.multipart_chunksize < 5 * MiB or opts.multipart_threshold < opts.multipart_chunksize:
             raise InvalidArgumentError("multipart_chunksize must be at least 5 MiB (S3's minimum part size) and "
                                        "multipart_threshold at least multipart_chunksize")
+        if opts.sign_payloads not in (None, True, False):
+            raise InvalidArgumentError(f"sign_payloads must be true, false or null (sign over http only), got "
+                                       f"{opts.sign_payloads!r}")
         if opts.max_concurrency < 1 or opts.max_attempts < 1 or opts.workers < 1:
             raise InvalidArgumentError("workers, max_concurrency and max_attempts must be at least 1")
         return opts
@@ -246,6 +250,11 @@ def classify(exc: BaseException, what: str, where: str) -> StorageError:
     if code in FULL_CODES:
         return StorageFullError(f"the store refused to write {what!r} in {where}: {code}. Committed checkpoints are "
                                 "intact; free space or raise the quota, then save again")
+    if isinstance(exc, be.SSLError) and "certificate verify failed" in str(exc).lower():
+        return PermanentStorageError(
+            f"the TLS certificate of {where} is not trusted ({_short(exc)}): pass storage_options "
+            "verify='/path/to/ca-bundle.pem' with the CA that signed it (or set AWS_CA_BUNDLE), or verify=False to "
+            "skip the check")
     if code in RETRYABLE_CODES or status >= 500 or status == 429 or is_transport_error(exc):
         return RetryableStorageError(f"transient S3 failure on {what!r} in {where} after retries: {_short(exc)}")
     if isinstance(exc, (be.ParamValidationError, be.InvalidRegionError, be.InvalidEndpointConfigurationError)):
