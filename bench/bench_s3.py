@@ -13,7 +13,8 @@ States: W1 of ``workloads_incremental.py`` (the ~85M GPT + AdamW) at its keyfram
   commit, the keyframe cache fill, is done, as it is long before the next save of a training loop), then a
   restore of each in a fresh CheckpointManager (new connections), checked bit for bit.
 
-Both use the same endpoint and botocore settings (plain http, checksums "when_required"). The gateway is
+Both use the same endpoint and botocore settings (plain http, or https with ``--tls``; checksums "when_required";
+request bodies signed as each client decides, unless ``--sign-payloads`` / ``--peer-sign-payloads`` say). The gateway is
 started by ``scripts/ceph-rgw.sh`` unless ``--endpoint`` (with AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY)
 names one. Medians over ``--runs``; results on stdout (markdown) and in
 ``bench/out/s3-results-SIZE-CODEC-CHUNKmib.{json,md}``.
@@ -44,11 +45,21 @@ ROOT = Path(__file__).resolve().parent.parent
 BUCKET = "ckv-bench"
 
 
-class Gateway:
-    """The S3 endpoint: started with scripts/ceph-rgw.sh (and stopped on exit), or given."""
+#: --sign-payloads / --peer-sign-payloads: "auto" leaves it to the client (ckptvault: over http only; botocore with
+#: these checksum settings: always), "on" / "off" force it
+SIGNING = {"auto": None, "on": True, "off": False}
 
-    def __init__(self, endpoint: str | None) -> None:
+
+class Gateway:
+    """The S3 endpoint: started with scripts/ceph-rgw.sh (and stopped on exit), or given.
+
+    ``tls``: use the started gateway's https endpoint, verified against its certificate. ``peer_sign_payloads``:
+    the boto3 peer's ``payload_signing_enabled`` (None: botocore's choice)."""
+
+    def __init__(self, endpoint: str | None, tls: bool = False, peer_sign_payloads: bool | None = None) -> None:
         self.state_dir: str | None = None
+        self.verify: str | None = None
+        self.peer_sign_payloads = peer_sign_payloads
         if endpoint:
             self.endpoint = endpoint
             self.keys = (os.environ["AWS_ACCESS_KEY_ID"], os.environ["AWS_SECRET_ACCESS_KEY"])
@@ -58,19 +69,21 @@ class Gateway:
         env_file = Path(out.stdout.strip().splitlines()[-1])
         values = dict(line.split("=", 1) for line in env_file.read_text().splitlines() if "=" in line)
         self.state_dir = values["CKV_RGW_DIR"]
-        self.endpoint = values["CKV_S3_ENDPOINT"]
+        self.endpoint = values["CKV_S3_TLS_ENDPOINT"] if tls else values["CKV_S3_ENDPOINT"]
+        self.verify = values["CKV_S3_CA"] if tls else None
         self.keys = (values["AWS_ACCESS_KEY_ID"], values["AWS_SECRET_ACCESS_KEY"])
 
     def options(self) -> dict[str, Any]:
         return {"endpoint_url": self.endpoint, "aws_access_key_id": self.keys[0], "aws_secret_access_key": self.keys[1],
-                "region_name": "us-east-1"}
+                "region_name": "us-east-1", **({"verify": self.verify} if self.verify else {})}
 
     def client(self) -> Any:
         import boto3
         from botocore.config import Config
 
         cfg = Config(request_checksum_calculation="when_required", response_checksum_validation="when_required",
-                     max_pool_connections=32)
+                     max_pool_connections=32, s3=None if self.peer_sign_payloads is None
+                     else {"payload_signing_enabled": self.peer_sign_payloads})
         return boto3.client("s3", config=cfg, **self.options())
 
     def bucket_client(self) -> Any:
@@ -119,10 +132,12 @@ def boto3_run(gw: Gateway, state: Any, scratch: Path, t: dict[str, Timing]) -> i
 
 
 def ckptvault_run(gw: Gateway, states: wi.States, t: dict[str, Timing], codec: str, chunk_mib: int,
-                  workers: int = 0, cache_keyframe: bool | None = None) -> dict[str, int]:
+                  workers: int = 0, cache_keyframe: bool | None = None, sign_payloads: bool | None = None
+                  ) -> dict[str, int]:
     """First save, incremental save, and both restores (fresh manager) into new tensors, checked bit for bit."""
     url = f"s3://{BUCKET}/vault-{uuid.uuid4().hex[:8]}"
-    options = {**gw.options(), **({"workers": workers} if workers else {})}
+    options = {**gw.options(), **({"workers": workers} if workers else {}),
+               **({} if sign_payloads is None else {"sign_payloads": sign_payloads})}
     with CheckpointManager(url, storage_options=options, codec=codec, chunk_size=chunk_mib << 20 or None,
                            cache_keyframe=cache_keyframe) as mgr:
         time_it(t["first_save"], lambda: mgr.save(0, states[0]).wait())
@@ -153,12 +168,17 @@ def main() -> None:
     parser.add_argument("--no-keyframe-cache", dest="cache_keyframe", action="store_const", const=False, default=None,
                         help="CheckpointManager(cache_keyframe=False): delta saves read the keyframe back")
     parser.add_argument("--endpoint", default=None, help="an S3 endpoint to use instead of starting Ceph RGW")
+    parser.add_argument("--tls", action="store_true", help="both clients use the started gateway's https endpoint")
+    parser.add_argument("--sign-payloads", choices=sorted(SIGNING), default="auto",
+                        help="ckptvault's sign_payloads (auto: its default, over http only)")
+    parser.add_argument("--peer-sign-payloads", choices=sorted(SIGNING), default="auto",
+                        help="the boto3 peer's payload_signing_enabled (auto: botocore's choice, which signs here)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     states = wi.w1_states(args.size)
     states = {0: states[0], 1: states[1]}
-    gw = Gateway(args.endpoint)
+    gw = Gateway(args.endpoint, args.tls, SIGNING[args.peer_sign_payloads])
     try:
         gw.bucket_client()
         scratch = OUT_DIR / "s3-scratch"
@@ -169,7 +189,8 @@ def main() -> None:
         facts: dict[str, int] = {}
         for run in range(args.runs):
             facts["torch_save_bytes"] = boto3_run(gw, states[0], scratch, t)
-            facts.update(ckptvault_run(gw, states, t, args.codec, args.chunk_mib, args.workers, args.cache_keyframe))
+            facts.update(ckptvault_run(gw, states, t, args.codec, args.chunk_mib, args.workers, args.cache_keyframe,
+                                       SIGNING[args.sign_payloads]))
             log.info("run %d: %s", run + 1, {n: round(t[n].wall[-1], 2) for n in names})
         report(args, t, facts, state_nbytes(states[0]))
     finally:
@@ -197,7 +218,9 @@ def report(args: argparse.Namespace, t: dict[str, Timing], facts: dict[str, int]
     out = {"args": vars(args), "machine": machine(), "facts": facts, "logical_bytes": logical,
            "times": {n: {"wall": v.wall, "cpu": v.cpu, "median": v.median} for n, v in t.items()}}
     tag = f"{args.size}-{args.codec}-{args.chunk_mib}mib" + (f"-{args.workers}w" if args.workers else "") + (
-        "-uncached" if args.cache_keyframe is False else "")
+        "-uncached" if args.cache_keyframe is False else "") + ("-tls" if args.tls else "") + (
+        f"-sign-{args.sign_payloads}" if args.sign_payloads != "auto" else "") + (
+        f"-peer-sign-{args.peer_sign_payloads}" if args.peer_sign_payloads != "auto" else "")
     (OUT_DIR / f"s3-results-{tag}.json").write_text(json.dumps(out, indent=1))
     (OUT_DIR / f"s3-results-{tag}.md").write_text(text + "\n")
 
