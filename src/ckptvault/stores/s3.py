@@ -360,11 +360,11 @@ def _make_client(opts: S3Options) -> Any:
     """A boto3 S3 client for ``opts``.
 
     Request bodies are signed (their SHA-256 goes into the SigV4 signature, about 0.6 ns of client CPU per byte
-    uploaded here) per ``opts.sign_payloads``; by default over http only. Over https, TLS already protects a body
-    in transit, and every object ckptvault writes carries its own hash (a chunk's name, a manifest's checksum),
-    checked on every read. botocore would sign over https too, because the CRC checksum headers that would let it
-    skip signing are off for the services below; so a client whose endpoint resolves to https (AWS's default
-    endpoint included) is made with payload signing off."""
+    uploaded here) per ``opts.sign_payloads``; by default unless the endpoint is https with its certificate
+    verified. There TLS already protects a body in transit, and every object ckptvault writes carries its own
+    hash (a chunk's name, a manifest's checksum), checked on every read. botocore would sign there too, because
+    the CRC checksum headers that would let it skip signing are off for the services below; so such a client
+    (AWS's default endpoint included) is made with payload signing off."""
     import boto3
     from botocore.config import Config
 
@@ -389,10 +389,16 @@ def _make_client(opts: S3Options) -> Any:
             aws_access_key_id=opts.aws_access_key_id, aws_secret_access_key=opts.aws_secret_access_key,
             aws_session_token=opts.aws_session_token)
 
+    def tls_protects(endpoint: str) -> bool:
+        return endpoint.lower().startswith("https:") and opts.verify is not False
+
+    sign = opts.sign_payloads
+    if sign is None and opts.endpoint_url:
+        sign = not tls_protects(opts.endpoint_url)
     with _SESSION_LOCK:
         session = boto3.session.Session(profile_name=opts.profile) if opts.profile else boto3.session.Session()
-        made = client(opts.sign_payloads)  # None: botocore signs every body (no checksum headers are sent)
-        if opts.sign_payloads is None and made.meta.endpoint_url.startswith("https:"):
-            made.close()  # the endpoint (from opts, the environment or a profile) is known only once resolved
+        made = client(sign)  # None: botocore signs every body (no checksum headers are sent)
+        if sign is None and tls_protects(made.meta.endpoint_url):
+            made.close()  # an endpoint from the environment or a profile is known only once botocore resolved it
             made = client(False)
         return made

@@ -51,7 +51,7 @@ class S3Options:
     aws_session_token: str | None = None
     addressing_style: str | None = None    # "virtual" (bucket.host, COS needs it), "path" (host/bucket), "auto"
     verify: bool | str | None = None       # TLS verification: False, or a CA bundle path
-    sign_payloads: bool | None = None      # SHA-256 of request bodies in the signature; None: over http only
+    sign_payloads: bool | None = None      # SHA-256 of request bodies in the signature; None: unless verified TLS
     workers: int = 16                      # threads a vault uses for chunk I/O here (requests wait on the network)
     max_concurrency: int = 8               # parallel part uploads / ranged reads of one object
     multipart_threshold: int = 64 * MiB    # put() of larger objects uses multipart upload
@@ -83,7 +83,7 @@ class S3Options:
             raise InvalidArgumentError("multipart_chunksize must be at least 5 MiB (S3's minimum part size) and "
                                        "multipart_threshold at least multipart_chunksize")
         if opts.sign_payloads not in (None, True, False):
-            raise InvalidArgumentError(f"sign_payloads must be true, false or null (sign over http only), got "
+            raise InvalidArgumentError(f"sign_payloads must be true, false or null (sign unless over verified https), got "
                                        f"{opts.sign_payloads!r}")
         if opts.max_concurrency < 1 or opts.max_attempts < 1 or opts.workers < 1:
             raise InvalidArgumentError("workers, max_concurrency and max_attempts must be at least 1")
