@@ -668,6 +668,29 @@ def test_a_tensor_unsafe_only_in_its_first_part_is_encoded_whole_and_kept(spec: 
     assert encoded.error["flushed"] == pytest.approx(first * (255 / 256 if spec.kind == "int8-block" else 1) / n)
 
 
+@pytest.mark.parametrize("spec", [lossy.LossySpec("bf16"), lossy.LossySpec("int8-block", 64)], ids=["bf16", "int8"])
+def test_memory_of_the_wrong_size_from_an_allocator_is_refused_not_overrun(spec: lossy.LossySpec) -> None:
+    """The kernels write through an Alloc's memory without bounds checks: a buffer of the wrong size, type or
+    layout is an error naming the part, before anything is written (here: int16 memory viewed as float32, half
+    the values; the same memory as another dtype; a strided view)."""
+    def half_size(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(shape, dtype=torch.int16).view(dtype) if dtype == torch.float32 else lossy.fresh(name, shape, dtype)
+
+    def wrong_type(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(shape, dtype=torch.uint8 if dtype.itemsize == 1 else torch.int16)
+
+    def strided(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty((*shape[:-1], 2 * shape[-1]), dtype=dtype)[..., ::2]
+
+    x = torch.rand(1000, generator=torch.Generator().manual_seed(6))
+    for alloc, part in ((wrong_type, "q"), (strided, "q")) + (((half_size, "scale"),) if spec.kind == "int8-block" else ()):
+        with pytest.raises(RuntimeError, match=f"the allocator returned .* for '{part}'; asked for "):
+            lossy.encode(x, spec, alloc=alloc)
+        if part == "q":  # the torch path (float64 here) allocates only "q", and checks it too
+            with pytest.raises(RuntimeError, match="the allocator returned .* for 'q'"):
+                lossy.encode(x.double(), spec, alloc=alloc)
+
+
 def test_flush_counts_agree_with_the_kernels() -> None:
     """count_cast_flushes equals the cast kernels' non-zero and flushed counts on every kind of float32 (random
     bit patterns, dense runs across fp16's flush bound); count_int8_flushes counts the same non-zero values and

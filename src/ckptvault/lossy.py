@@ -122,6 +122,17 @@ def fresh(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor
     return torch.empty(shape, dtype=dtype)
 
 
+def _allocate(alloc: Alloc, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """``alloc(name, shape, dtype)``, checked: the kernels write through its memory without bounds checks, so
+    memory of another size, type or layout would be overrun, not refused."""
+    t = alloc(name, shape, dtype)
+    if tuple(t.shape) != tuple(shape) or t.dtype != dtype or not t.is_contiguous() or t.device.type != "cpu":
+        raise RuntimeError(f"the allocator returned a {t.dtype} tensor of shape {tuple(t.shape)} on {t.device} "
+                           f"(contiguous: {t.is_contiguous()}) for {name!r}; asked for {dtype} {tuple(shape)}, "
+                           "contiguous, on the CPU")
+    return t
+
+
 @dataclass
 class Encoded:
     """A lossy encoding: the stored parts and the error it causes."""
@@ -151,7 +162,7 @@ def encode(t: torch.Tensor, spec: LossySpec, base: torch.Tensor | None = None, g
     if t.dtype == torch.float32 and (base is None or base.dtype == torch.float32):
         return _encode_float32(t, spec, base, give_up, alloc)
     if spec.kind in ("bf16", "fp16"):  # copy_ rounds to nearest even, exactly as .to() does
-        parts = {"q": alloc("q", tuple(t.shape), _CAST[spec.kind]).copy_(t)}
+        parts = {"q": _allocate(alloc, "q", tuple(t.shape), _CAST[spec.kind]).copy_(t)}
     elif spec.kind == "int8-block":
         parts = _int8_block(t.reshape(-1), spec.block, alloc)
     else:
@@ -192,7 +203,7 @@ def _encode_float32(t: torch.Tensor, spec: LossySpec, base: torch.Tensor | None,
     flat = t.detach().reshape(-1)
     n = flat.numel()
     if spec.kind in ("bf16", "fp16"):
-        q = alloc("q", tuple(t.shape), _CAST[spec.kind])
+        q = _allocate(alloc, "q", tuple(t.shape), _CAST[spec.kind])
         parts, unit = {"q": q}, 1
         bits, out = _numpy(flat, torch.int32).view(np.uint32), _numpy(q.reshape(-1), torch.int16).view(np.uint16)
         cast = lossy_kernels.cast_bf16 if spec.kind == "bf16" else lossy_kernels.cast_fp16
@@ -205,8 +216,8 @@ def _encode_float32(t: torch.Tensor, spec: LossySpec, base: torch.Tensor | None,
         count_flushes: Callable[[int, int], tuple[int, int]] | None = count_cast
     else:
         block = spec.block
-        q = alloc("q", (-(-n // block), block), torch.int8)
-        scale = alloc("scale", (q.shape[0],), torch.float32)
+        q = _allocate(alloc, "q", (-(-n // block), block), torch.int8)
+        scale = _allocate(alloc, "scale", (q.shape[0],), torch.float32)
         parts, unit = {"q": q.reshape(-1)[:n], "scale": scale}, block
         values, out, scales = _numpy(flat), _numpy(q.reshape(-1)), _numpy(scale)
         bases = None if base is None else _numpy(base.detach().reshape(-1))
@@ -292,7 +303,7 @@ def _int8_block(flat: torch.Tensor, block: int, alloc: Alloc = fresh) -> dict[st
     rows = torch.nn.functional.pad(x, (0, -x.numel() % block)).view(-1, block)
     scale = torch.maximum(torch.amax(rows, dim=1), torch.amin(rows, dim=1).neg_()) / 127.0  # aminmax(dim) is slower
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    q = alloc("q", tuple(rows.shape), torch.int8)
+    q = _allocate(alloc, "q", tuple(rows.shape), torch.int8)
     q.copy_(torch.div(rows, safe[:, None]).round_().clamp_(-127, 127))
     return {"q": q.reshape(-1)[: flat.numel()], "scale": scale.contiguous()}
 
