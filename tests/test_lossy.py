@@ -647,7 +647,7 @@ def test_a_doomed_attempt_encodes_only_its_first_call_and_counts_the_rest(spec: 
     assert int((q[:written] != sentinel).sum()) == written  # the calls made wrote a prefix
     assert written == (7 * first if spec.kind == "residual-int8" else first)
     assert stopped.error["partial"] and stopped.error["values"] == n
-    assert stopped.error["examined"] == 7 * first if spec.kind == "residual-int8" else 8 * first
+    assert stopped.error["examined"] == (7 * first if spec.kind == "residual-int8" else 8 * first)
     assert stopped.error["flushed"] == pytest.approx(0.5, abs=0.01)
     assert lossy.encode(x, spec, base).error["flushed"] == pytest.approx(0.5, abs=1e-3)
 
