@@ -19,9 +19,15 @@ Part 2, the first save of W1 (``workloads_incremental.py``) into a fresh vault, 
 * ``sync-no-commit-check``: the commit skips its existence check of every chunk (what that check costs);
 * ``sync-copied-bodies``: request bodies go to botocore as one joined ``bytes`` object, as before
   ``PayloadReader`` (botocore then copies them while signing and sending);
-* ``boto3``: ``upload_file`` of the torch.save file (written before the clock starts).
+* ``boto3``: ``upload_file`` of the torch.save file (written before the clock starts);
+* ``boto3-snapshot``: a host snapshot of the state (every tensor cloned into fresh memory, as any asynchronous
+  saver's first snapshot of a CPU state is), then that ``upload_file``: a floor for an asynchronous save built on
+  boto3 (torch.save's serialisation is not counted).
 
 The ``no-`` and ``copied-`` variants patch ckptvault internals: they measure costs, they are not settings.
+
+``--pin``: the client on CPU 0 and every thread of the gateway's daemons on CPU 1 (``taskset``), so that neither
+side's work takes CPU time from the other, as on separate machines (each then has one core).
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import subprocess
 import sys
 import threading
 import time
@@ -163,9 +170,16 @@ def first_saves(gw: bench_s3.Gateway, pids: list[int], variants: list[str], runs
     results: dict[str, list[tuple[float, float, float]]] = {v: [] for v in variants}
     for run in range(runs):
         for variant in variants:
-            if variant == "boto3":
+            if variant.startswith("boto3"):
                 key = f"boto3/{uuid.uuid4().hex}.pt"
-                results[variant].append(measured(pids, lambda k=key: client.upload_file(str(path), bench_s3.BUCKET, k)))
+
+                def upload(k: str = key, snapshot: bool = variant == "boto3-snapshot") -> None:
+                    held = torch.utils._pytree.tree_map(lambda v: v.clone() if isinstance(v, torch.Tensor) else v,
+                                                        states[0]) if snapshot else None
+                    client.upload_file(str(path), bench_s3.BUCKET, k)
+                    del held
+
+                results[variant].append(measured(pids, upload))
                 client.delete_object(Bucket=bench_s3.BUCKET, Key=key)
             else:
                 url = f"s3://{bench_s3.BUCKET}/costs-{uuid.uuid4().hex[:8]}"
@@ -193,10 +207,17 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--variants", default="sync,async,boto3")
     parser.add_argument("--parts", default="requests,saves")
+    parser.add_argument("--pin", action="store_true", help="client on CPU 0, gateway on CPU 1")
     args = parser.parse_args()
+    if args.pin:
+        os.sched_setaffinity(0, {0})  # before any thread starts: threads inherit it
     gw = bench_s3.Gateway(None)
     try:
         pids = [int(p) for p in Path(gw.state_dir or "", "pids").read_text().split()]
+        if args.pin:
+            for pid in pids:
+                subprocess.run(["taskset", "--all-tasks", "--pid", "--cpu-list", "1", str(pid)], check=True,
+                               capture_output=True)
         if "requests" in args.parts:
             per_request(gw, pids)
         if "saves" in args.parts:
