@@ -17,7 +17,8 @@ Both use the same endpoint and botocore settings (plain http, or https with ``--
 request bodies signed as each client decides, unless ``--sign-payloads`` / ``--peer-sign-payloads`` say). The gateway is
 started by ``scripts/ceph-rgw.sh`` unless ``--endpoint`` (with AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY)
 names one. Medians over ``--runs``; results on stdout (markdown) and in
-``bench/out/s3-results-SIZE-CODEC-CHUNKmib.{json,md}``.
+``bench/out/s3-results-SIZE-CODEC-CHUNKmib.{json,md}``. The ratio column divides the medians; the last column gives
+each run's ratio to the same run's peer, and their median.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import argparse
 import json
 import logging
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -198,19 +200,22 @@ def main() -> None:
 
 
 def report(args: argparse.Namespace, t: dict[str, Timing], facts: dict[str, int], logical: int) -> None:
-    up, down = t["boto3_upload"].median, t["boto3_download_load"].median
     rows = [
-        ("first save (until durable) vs boto3 upload_file", t["first_save"].median, up),
-        ("incremental save (+1 step) vs boto3 upload_file", t["incremental_save"].median, up),
-        ("restore of the first checkpoint vs download_file + torch.load", t["first_restore"].median, down),
-        ("restore of the incremental checkpoint vs download_file + torch.load", t["incremental_restore"].median, down),
+        ("first save (until durable) vs boto3 upload_file", "first_save", "boto3_upload"),
+        ("incremental save (+1 step) vs boto3 upload_file", "incremental_save", "boto3_upload"),
+        ("restore of the first checkpoint vs download_file + torch.load", "first_restore", "boto3_download_load"),
+        ("restore of the incremental checkpoint vs download_file + torch.load", "incremental_restore", "boto3_download_load"),
     ]
     lines = [f"W1 {args.size}: {logical / 1e9:.3f} GB logical, torch.save file {facts['torch_save_bytes'] / 1e9:.3f} GB; "
              f"ckptvault codec {args.codec}, chunks of {args.chunk_mib} MiB: first checkpoint stores "
              f"{facts['first_stored'] / 1e9:.3f} GB, the incremental "
              f"one adds {facts['incremental_added'] / 1e9:.3f} GB ({facts['incremental_added'] / facts['torch_save_bytes']:.3f}x "
-             "torch.save)", "", "| operation | ckptvault s | boto3 + torch s | ratio |", "|---|---|---|---|"]
-    lines += [f"| {name} | {ours:.2f} | {peer:.2f} | {ours / peer:.2f}x |" for name, ours, peer in rows]
+             "torch.save)", "", "| operation | ckptvault s | boto3 + torch s | ratio | per run (median) |",
+             "|---|---|---|---|---|"]
+    for name, ours, peer in rows:
+        per_run = [a / b for a, b in zip(t[ours].wall, t[peer].wall, strict=True)]  # each against its own run's peer
+        lines.append(f"| {name} | {t[ours].median:.2f} | {t[peer].median:.2f} | {t[ours].median / t[peer].median:.2f}x | "
+                     f"{', '.join(f'{r:.2f}' for r in per_run)} ({statistics.median(per_run):.2f}x) |")
     lines.append(f"\nmedians of {args.runs} runs; all times: " + json.dumps({n: [round(w, 2) for w in v.wall]
                                                                               for n, v in t.items()}))
     text = "\n".join(lines)
