@@ -159,6 +159,19 @@ class Patched:
             undo()
 
 
+def cloned(state: Any) -> Any:
+    """``state`` with every tensor cloned into fresh memory (dicts, lists and tuples followed)."""
+    import torch
+
+    if isinstance(state, torch.Tensor):
+        return state.clone()
+    if isinstance(state, dict):
+        return {key: cloned(value) for key, value in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(cloned(value) for value in state)
+    return state
+
+
 def first_saves(gw: bench_s3.Gateway, pids: list[int], variants: list[str], runs: int) -> None:
     states = wi.w1_states("full")
     client = gw.bucket_client()
@@ -174,8 +187,7 @@ def first_saves(gw: bench_s3.Gateway, pids: list[int], variants: list[str], runs
                 key = f"boto3/{uuid.uuid4().hex}.pt"
 
                 def upload(k: str = key, snapshot: bool = variant == "boto3-snapshot") -> None:
-                    held = torch.utils._pytree.tree_map(lambda v: v.clone() if isinstance(v, torch.Tensor) else v,
-                                                        states[0]) if snapshot else None
+                    held = cloned(states[0]) if snapshot else None
                     client.upload_file(str(path), bench_s3.BUCKET, k)
                     del held
 
@@ -209,6 +221,8 @@ def main() -> None:
     parser.add_argument("--parts", default="requests,saves")
     parser.add_argument("--pin", action="store_true", help="client on CPU 0, gateway on CPU 1")
     args = parser.parse_args()
+    if args.pin and len(os.sched_getaffinity(0)) < 2:
+        parser.error("--pin needs CPUs 0 and 1")
     if args.pin:
         os.sched_setaffinity(0, {0})  # before any thread starts: threads inherit it
     gw = bench_s3.Gateway(None)
