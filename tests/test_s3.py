@@ -281,6 +281,24 @@ def test_missing_credentials_say_where_to_put_them(rgw: Gateway, s3_url: str, mo
         S3Store(s3_url, endpoint_url=rgw.endpoint, region_name="us-east-1")
 
 
+def test_stores_share_the_parsed_service_model_per_aws_data_path(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """botocore's data loader (the parsed service model and endpoint rules) is read once per process, not per
+    store; a different AWS_DATA_PATH (extra or replaced models) gets a loader of its own."""
+    options = {"endpoint_url": "http://127.0.0.1:9", "aws_access_key_id": "a", "aws_secret_access_key": "b",
+               "region_name": "us-east-1", "check_lifecycle": False}
+    monkeypatch.delenv("AWS_DATA_PATH", raising=False)
+    first, second = S3Store("s3://bucket/a", **options), S3Store("s3://bucket/b", **options)
+    monkeypatch.setenv("AWS_DATA_PATH", str(tmp_path))
+    third = S3Store("s3://bucket/c", **options)
+    try:
+        assert first.client._loader is second.client._loader
+        assert third.client._loader is not first.client._loader
+        assert str(tmp_path) in third.client._loader.search_paths
+    finally:
+        for store in (first, second, third):
+            store.close()
+
+
 def test_unreachable_endpoint_is_retryable_and_bounded() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -1,7 +1,9 @@
 """The native S3 store (``s3://bucket/prefix``): AWS S3 and S3-compatible services (Tencent COS, Ceph RGW, MinIO).
 
 Built on boto3 (see docs/STORAGE.md for why, and for how to point it at each
-service). Keys of the vault are object keys under ``prefix/``.
+service): its botocore clients, made from botocore sessions that share one
+parsed service model per process. Keys of the vault are object keys under
+``prefix/``.
 
 Atomicity and durability come from S3 itself: a PutObject or
 CompleteMultipartUpload makes the whole object visible at once, and is durable
@@ -28,6 +30,7 @@ way, and ckptvault never writes such chunks.
 from __future__ import annotations
 
 import logging
+import os
 import random
 import threading
 import time
@@ -354,6 +357,23 @@ class _BodyCut(RetryableStorageError):
 
 
 _SESSION_LOCK = threading.Lock()  # boto3 sessions are not thread-safe; clients are
+#: botocore's data loaders, one per AWS_DATA_PATH: every store's session shares it, so the service model and
+#: endpoint rules are read and parsed once per process (a fresh loader costs 50-200 ms of CPU per client here)
+_LOADERS: dict[str | None, Any] = {}
+
+
+def _new_session(profile: str | None) -> Any:
+    """A botocore session whose data loader (the parsed service models) is shared by this process's stores. Call
+    with ``_SESSION_LOCK`` held. (Not a boto3 session: each of those appends boto3's data path to its loader.)"""
+    import botocore.session
+
+    session = botocore.session.Session(profile=profile)
+    data_path = os.environ.get("AWS_DATA_PATH")
+    if data_path in _LOADERS:
+        session.register_component("data_loader", _LOADERS[data_path])
+    else:
+        _LOADERS[data_path] = session.get_component("data_loader")
+    return session
 
 
 def _make_client(opts: S3Options) -> Any:
@@ -365,7 +385,6 @@ def _make_client(opts: S3Options) -> Any:
     hash (a chunk's name, a manifest's checksum), checked on every read. botocore would sign there too, because
     the CRC checksum headers that would let it skip signing are off for the services below; so such a client
     (AWS's default endpoint included) is made with payload signing off."""
-    import boto3
     from botocore.config import Config
 
     style = opts.addressing_style or default_addressing(opts.endpoint_url)
@@ -384,7 +403,7 @@ def _make_client(opts: S3Options) -> Any:
             s3=s3 or None,
             user_agent_extra="ckptvault",
         )
-        return session.client(
+        return session.create_client(
             "s3", endpoint_url=opts.endpoint_url, region_name=opts.region_name, verify=opts.verify, config=config,
             aws_access_key_id=opts.aws_access_key_id, aws_secret_access_key=opts.aws_secret_access_key,
             aws_session_token=opts.aws_session_token)
@@ -396,9 +415,10 @@ def _make_client(opts: S3Options) -> Any:
     if sign is None and opts.endpoint_url:
         sign = not tls_protects(opts.endpoint_url)
     with _SESSION_LOCK:
-        session = boto3.session.Session(profile_name=opts.profile) if opts.profile else boto3.session.Session()
+        session = _new_session(opts.profile)
         made = client(sign)  # None: botocore signs every body (no checksum headers are sent)
         if sign is None and tls_protects(made.meta.endpoint_url):
             made.close()  # an endpoint from the environment or a profile is known only once botocore resolved it
             made = client(False)
         return made
+
