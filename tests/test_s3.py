@@ -281,6 +281,75 @@ def test_missing_credentials_say_where_to_put_them(rgw: Gateway, s3_url: str, mo
         S3Store(s3_url, endpoint_url=rgw.endpoint, region_name="us-east-1")
 
 
+def _without_aws_settings(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, config: str = "", credentials: str = "") -> None:
+    """No AWS_* variables; the config and credentials files are tmp_path's (with the given text)."""
+    for name in list(os.environ):
+        if name.startswith("AWS_"):
+            monkeypatch.delenv(name)
+    (tmp_path / "config").write_text(config)
+    (tmp_path / "credentials").write_text(credentials)
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "config"))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "credentials"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+
+
+@pytest.mark.parametrize("how", ["option", "AWS_PROFILE"])
+def test_a_profile_of_the_shared_files_supplies_credentials_and_region(
+        rgw: Gateway, s3_url: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, how: str) -> None:
+    _without_aws_settings(monkeypatch, tmp_path, config="[profile ckv-test]\nregion = us-east-1\n",
+                          credentials=f"[ckv-test]\naws_access_key_id = {rgw.access_key}\n"
+                                      f"aws_secret_access_key = {rgw.secret_key}\n")
+    options: dict[str, Any] = {"endpoint_url": rgw.endpoint}
+    if how == "option":
+        options["profile"] = "ckv-test"
+    else:
+        monkeypatch.setenv("AWS_PROFILE", "ckv-test")
+    store = S3Store(s3_url, **options)
+    try:
+        store.put("k", b"from a profile")
+        assert bytes(store.get("k")) == b"from a profile"
+        assert store.client.meta.region_name == "us-east-1"
+    finally:
+        store.delete("k")
+        store.close()
+
+
+def test_an_unknown_profile_is_named_with_the_files_it_was_looked_for_in(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    _without_aws_settings(monkeypatch, tmp_path, credentials="[other]\naws_access_key_id = a\naws_secret_access_key = b\n")
+    with pytest.raises(InvalidArgumentError, match=r"AWS profile 'nosuch' .*\(AWS_CONFIG_FILE.*\(AWS_SHARED_CREDENTIALS_FILE"):
+        S3Store("s3://bucket/p", endpoint_url="http://127.0.0.1:9", profile="nosuch", check_lifecycle=False)
+    monkeypatch.setenv("AWS_PROFILE", "nosuch")
+    with pytest.raises(InvalidArgumentError, match=r"AWS profile 'nosuch' \(storage_options profile, or AWS_PROFILE\)"):
+        S3Store("s3://bucket/p", endpoint_url="http://127.0.0.1:9", check_lifecycle=False)
+
+
+def test_a_malformed_region_is_refused_on_open() -> None:
+    with pytest.raises(InvalidArgumentError, match=r"S3 region 'us east 1' is not a region name .* region_name"):
+        S3Store("s3://bucket/p", endpoint_url="http://127.0.0.1:9", region_name="us east 1", aws_access_key_id="a",
+                aws_secret_access_key="b", check_lifecycle=False)
+
+
+@pytest.mark.parametrize("endpoint", ["not a url", "ftp://host", "http://", "127.0.0.1:7480"])
+def test_an_endpoint_that_is_not_an_http_url_is_refused_on_open(endpoint: str) -> None:
+    expected = f"storage_options endpoint_url '{endpoint}' is not an http:// or https:// URL"
+    with pytest.raises(InvalidArgumentError, match=expected):
+        S3Store("s3://bucket/p", endpoint_url=endpoint, aws_access_key_id="a", aws_secret_access_key="b",
+                region_name="us-east-1", check_lifecycle=False)
+
+
+@pytest.mark.parametrize(("endpoint", "message"), [
+    ("ftp://host", "the S3 endpoint from AWS_ENDPOINT_URL or the profile, 'ftp://host' is not an http:// or https:// URL"),
+    ("not-a-url", "Invalid endpoint: not-a-url: the S3 endpoint .*AWS_ENDPOINT_URL.* must be an http:// or https:// URL"),
+])
+def test_an_endpoint_from_the_environment_that_is_not_an_http_url_is_refused_on_open(
+        monkeypatch: pytest.MonkeyPatch, endpoint: str, message: str) -> None:
+    monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
+    with pytest.raises(InvalidArgumentError, match=message):
+        S3Store("s3://bucket/p", aws_access_key_id="a", aws_secret_access_key="b", region_name="us-east-1",
+                check_lifecycle=False)
+
+
 def test_stores_share_the_parsed_service_model_per_aws_data_path(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """botocore's data loader (the parsed service model and endpoint rules) is read once per process, not per
     store; a different AWS_DATA_PATH (extra or replaced models) gets a loader of its own."""

@@ -29,6 +29,7 @@ way, and ckptvault never writes such chunks.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import random
@@ -45,6 +46,7 @@ from .s3_support import (
     NOT_FOUND_CODES,
     PayloadReader,
     S3Options,
+    check_endpoint,
     classify,
     default_addressing,
     error_code,
@@ -79,6 +81,12 @@ class S3Store(Store):
         self.preferred_chunk_size = PREFERRED_CHUNK_SIZE
         self.client = _make_client(self.options)
         self.endpoint = self.client.meta.endpoint_url
+        if self.options.endpoint_url is None:  # one from AWS_ENDPOINT_URL or a profile is seen only now
+            try:
+                check_endpoint(self.endpoint, "the S3 endpoint from AWS_ENDPOINT_URL or the profile,")
+            except InvalidArgumentError:
+                self.client.close()
+                raise
         self._where = f"{self.url} (endpoint {self.endpoint})"
         self._pool = ThreadPoolExecutor(self.options.max_concurrency, thread_name_prefix="ckptvault-s3")
         self._closed = False
@@ -414,7 +422,7 @@ def _make_client(opts: S3Options) -> Any:
     sign = opts.sign_payloads
     if sign is None and opts.endpoint_url:
         sign = not tls_protects(opts.endpoint_url)
-    with _SESSION_LOCK:
+    with _SESSION_LOCK, _configuration_errors():
         session = _new_session(opts.profile)
         made = client(sign)  # None: botocore signs every body (no checksum headers are sent)
         if sign is None and tls_protects(made.meta.endpoint_url):
@@ -422,3 +430,27 @@ def _make_client(opts: S3Options) -> Any:
             made = client(False)
         return made
 
+
+@contextlib.contextmanager
+def _configuration_errors() -> Iterator[None]:
+    """Turn botocore's errors about the client's configuration (storage_options, AWS_* variables, the config
+    files) into InvalidArgumentError saying what to fix."""
+    from botocore import exceptions as be
+
+    try:
+        yield
+    except be.ProfileNotFound as exc:
+        raise InvalidArgumentError(
+            f"AWS profile {exc.kwargs.get('profile')!r} (storage_options profile, or AWS_PROFILE) is in neither the "
+            "config file (AWS_CONFIG_FILE, default ~/.aws/config) nor the credentials file (AWS_SHARED_CREDENTIALS_FILE, "
+            "default ~/.aws/credentials): add it there, or name one that is") from None
+    except be.InvalidRegionError as exc:
+        raise InvalidArgumentError(
+            f"S3 region {exc.kwargs.get('region_name')!r} is not a region name such as us-east-1 or ap-guangzhou: fix "
+            "storage_options region_name, AWS_DEFAULT_REGION or the profile's region") from None
+    except ValueError as exc:  # botocore: "Invalid endpoint: ..." for an endpoint from AWS_ENDPOINT_URL or a profile
+        if not str(exc).startswith("Invalid endpoint"):
+            raise
+        raise InvalidArgumentError(
+            f"{exc}: the S3 endpoint (storage_options endpoint_url, AWS_ENDPOINT_URL or the profile's endpoint_url) "
+            "must be an http:// or https:// URL with a host") from None

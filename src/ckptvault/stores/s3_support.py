@@ -87,7 +87,18 @@ class S3Options:
                                        f"{opts.sign_payloads!r}")
         if opts.max_concurrency < 1 or opts.max_attempts < 1 or opts.workers < 1:
             raise InvalidArgumentError("workers, max_concurrency and max_attempts must be at least 1")
+        if opts.endpoint_url is not None:
+            check_endpoint(opts.endpoint_url, "storage_options endpoint_url")
         return opts
+
+
+def check_endpoint(endpoint: str, source: str) -> None:
+    """InvalidArgumentError unless ``endpoint`` (from ``source``, for the message) is an http(s) URL with a host."""
+    parts = urlsplit(endpoint) if isinstance(endpoint, str) else None
+    if parts is None or parts.scheme.lower() not in ("http", "https") or not parts.hostname:
+        raise InvalidArgumentError(
+            f"{source} {endpoint!r} is not an http:// or https:// URL with a host: give the service's address, such "
+            "as http://127.0.0.1:7480 or https://cos.ap-guangzhou.myqcloud.com")
 
 
 class PayloadReader(io.RawIOBase):
