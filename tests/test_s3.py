@@ -426,6 +426,26 @@ def test_bad_urls_and_options() -> None:
         parse_s3_url("s3://bucket/a/../b")
 
 
+@pytest.mark.parametrize(("options", "message"), [
+    ({"workers": "4"}, r"storage_options workers must be an integer, got '4' \(str\)"),
+    ({"max_attempts": True}, r"storage_options max_attempts must be an integer, got True \(bool\)"),
+    ({"read_timeout": "30"}, r"storage_options read_timeout must be a number, got '30' \(str\)"),
+    ({"region_name": 5}, r"storage_options region_name must be a string or null, got 5 \(int\)"),
+    ({"check_lifecycle": "no"}, r"storage_options check_lifecycle must be true/false, got 'no' \(str\)"),
+    ({"verify": 1}, r"storage_options verify must be true/false or a string or null, got 1 \(int\)"),
+    ({"sign_payloads": 1}, r"sign_payloads must be true, false or null .*, got 1"),
+    ({"max_pool_connections": 0}, "max_pool_connections must be at least 1"),
+    ({"connect_timeout": 0}, "connect_timeout and read_timeout must be positive seconds, got 0 and 30.0"),
+    ({"read_timeout": -1.5}, "connect_timeout and read_timeout must be positive seconds, got 5.0 and -1.5"),
+    ({"verify": "/no/such/ca.pem"}, "verify names a CA bundle '/no/such/ca.pem' that does not exist"),
+])
+def test_options_of_the_wrong_type_or_range_are_refused_on_open(options: dict[str, Any], message: str) -> None:
+    usable = {"endpoint_url": "http://127.0.0.1:9", "aws_access_key_id": "a", "aws_secret_access_key": "b",
+              "region_name": "us-east-1", "check_lifecycle": False}
+    with pytest.raises(InvalidArgumentError, match=message):
+        S3Store("s3://bucket/p", **{**usable, **options})
+
+
 def test_create_bucket_option(rgw: Gateway) -> None:
     name = f"ckv-new-{uuid.uuid4().hex[:8]}"
     store = S3Store(f"s3://{name}/vault", **rgw.options(create_bucket=True))

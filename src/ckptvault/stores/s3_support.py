@@ -79,17 +79,39 @@ class S3Options:
             raise InvalidArgumentError(f"addressing_style must be 'virtual', 'path' or 'auto', got {opts.addressing_style!r}")
         if opts.retry_mode not in ("standard", "adaptive", "legacy"):
             raise InvalidArgumentError(f"retry_mode must be 'standard' or 'adaptive', got {opts.retry_mode!r}")
+        if not isinstance(opts.sign_payloads, (bool, type(None))):
+            raise InvalidArgumentError(f"sign_payloads must be true, false or null (sign unless over verified https), got "
+                                       f"{opts.sign_payloads!r}")
+        for name, value in options.items():  # the rest: the type each field's annotation admits
+            _check_type(name, value, _OPTION_TYPES[cls.__dataclass_fields__[name].type])
         if opts.multipart_chunksize < 5 * MiB or opts.multipart_threshold < opts.multipart_chunksize:
             raise InvalidArgumentError("multipart_chunksize must be at least 5 MiB (S3's minimum part size) and "
                                        "multipart_threshold at least multipart_chunksize")
-        if opts.sign_payloads not in (None, True, False):
-            raise InvalidArgumentError(f"sign_payloads must be true, false or null (sign unless over verified https), got "
-                                       f"{opts.sign_payloads!r}")
-        if opts.max_concurrency < 1 or opts.max_attempts < 1 or opts.workers < 1:
-            raise InvalidArgumentError("workers, max_concurrency and max_attempts must be at least 1")
+        if min(opts.max_concurrency, opts.max_attempts, opts.workers, opts.max_pool_connections) < 1:
+            raise InvalidArgumentError("workers, max_concurrency, max_attempts and max_pool_connections must be at least 1")
+        if opts.connect_timeout <= 0 or opts.read_timeout <= 0:
+            raise InvalidArgumentError(f"connect_timeout and read_timeout must be positive seconds, got "
+                                       f"{opts.connect_timeout!r} and {opts.read_timeout!r}")
+        if isinstance(opts.verify, str) and not os.path.exists(opts.verify):
+            raise InvalidArgumentError(f"storage_options verify names a CA bundle {opts.verify!r} that does not exist: "
+                                       "give the path of a PEM file (or directory) of certificates, or true")
         if opts.endpoint_url is not None:
             check_endpoint(opts.endpoint_url, "storage_options endpoint_url")
         return opts
+
+
+#: the types each annotation of S3Options admits (bool is not taken for a number)
+_OPTION_TYPES: dict[str, tuple[type, ...]] = {
+    "str | None": (str, type(None)), "bool | str | None": (bool, str, type(None)), "bool | None": (bool, type(None)),
+    "bool": (bool,), "int": (int,), "float": (int, float),
+}
+
+
+def _check_type(name: str, value: Any, admitted: tuple[type, ...]) -> None:
+    if not isinstance(value, admitted) or (isinstance(value, bool) and bool not in admitted):
+        kinds = " or ".join({str: "a string", bool: "true/false", int: "an integer", float: "a number",
+                             type(None): "null"}[t] for t in admitted if not (t is int and float in admitted))
+        raise InvalidArgumentError(f"storage_options {name} must be {kinds}, got {value!r} ({type(value).__name__})")
 
 
 def check_endpoint(endpoint: str, source: str) -> None:
