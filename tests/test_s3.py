@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import dataclasses
 import hashlib
 import io
 import json
@@ -33,7 +34,7 @@ from ckptvault.stores import Store, open_store
 from ckptvault.stores.conformance import StoreConformance
 from ckptvault.stores.faults import FaultProxy
 from ckptvault.stores.s3 import S3Store
-from ckptvault.stores.s3_support import PayloadReader, lifecycle_risks, parse_s3_url
+from ckptvault.stores.s3_support import PayloadReader, S3Options, lifecycle_risks, parse_s3_url
 from conftest import assert_same_state
 
 pytest.register_assert_rewrite("conftest_s3")
@@ -424,6 +425,18 @@ def test_bad_urls_and_options() -> None:
     assert parse_s3_url("s3://bucket") == ("bucket", "")
     with pytest.raises(InvalidArgumentError, match="invalid key prefix"):
         parse_s3_url("s3://bucket/a/../b")
+
+
+def test_every_option_of_the_right_type_is_taken() -> None:
+    """Each field, given a value of its own type, passes the type check (a field whose annotation the check does not
+    know would fail here rather than on a user's open)."""
+    samples = {"str | None": "x", "bool | str | None": True, "bool | None": False, "str": "standard", "bool": True,
+               "int": 6 << 20, "float": 2.5}
+    for field in dataclasses.fields(S3Options):
+        S3Options.from_dict({field.name: samples[field.type]} if field.name not in {
+            "endpoint_url", "addressing_style", "retry_mode", "verify", "multipart_threshold"} else {})
+    S3Options.from_dict({"retry_mode": "adaptive", "verify": True, "endpoint_url": "https://host", "addressing_style": "path",
+                         "multipart_threshold": 64 << 20, "multipart_chunksize": 8 << 20})
 
 
 @pytest.mark.parametrize(("options", "message"), [

@@ -103,7 +103,7 @@ class S3Options:
 #: the types each annotation of S3Options admits (bool is not taken for a number)
 _OPTION_TYPES: dict[str, tuple[type, ...]] = {
     "str | None": (str, type(None)), "bool | str | None": (bool, str, type(None)), "bool | None": (bool, type(None)),
-    "bool": (bool,), "int": (int,), "float": (int, float),
+    "str": (str,), "bool": (bool,), "int": (int,), "float": (int, float),
 }
 
 
