@@ -108,6 +108,7 @@ _OPTION_TYPES: dict[str, tuple[type, ...]] = {
 
 
 def _check_type(name: str, value: Any, admitted: tuple[type, ...]) -> None:
+    """InvalidArgumentError naming option ``name`` unless ``value`` is one of the ``admitted`` types."""
     if not isinstance(value, admitted) or (isinstance(value, bool) and bool not in admitted):
         kinds = " or ".join({str: "a string", bool: "true/false", int: "an integer", float: "a number",
                              type(None): "null"}[t] for t in admitted if not (t is int and float in admitted))
@@ -116,7 +117,10 @@ def _check_type(name: str, value: Any, admitted: tuple[type, ...]) -> None:
 
 def check_endpoint(endpoint: str, source: str) -> None:
     """InvalidArgumentError unless ``endpoint`` (from ``source``, for the message) is an http(s) URL with a host."""
-    parts = urlsplit(endpoint) if isinstance(endpoint, str) else None
+    try:
+        parts = urlsplit(endpoint) if isinstance(endpoint, str) else None
+    except ValueError:  # e.g. an unclosed IPv6 bracket
+        parts = None
     if parts is None or parts.scheme.lower() not in ("http", "https") or not parts.hostname:
         raise InvalidArgumentError(
             f"{source} {endpoint!r} is not an http:// or https:// URL with a host: give the service's address, such "
