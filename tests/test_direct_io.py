@@ -156,6 +156,9 @@ def test_storage_options_of_local_vaults(tmp_path: Path) -> None:
         open_store(str(tmp_path / "d"), {"endpoint_url": "http://x"})
     with pytest.raises(InvalidArgumentError, match="direct_io must be true, false or 'auto', got 'yes'"):
         CheckpointManager(tmp_path / "e", storage_options={"direct_io": "yes"})
+    for number in (0, 1):  # equal to False/True, but the store tells the three settings apart by identity
+        with pytest.raises(InvalidArgumentError, match=f"direct_io must be true, false or 'auto', got {number}"):
+            open_store(str(tmp_path / "f"), {"direct_io": number})
 
 
 @pytest.mark.parametrize("direct_io", [True, False])

@@ -89,7 +89,7 @@ class LocalStore(Store):
         (one that refuses fails the save). ``drop_behind``: whether what the store writes leaves the page
         cache once it is on disk (module docstring); None (the default) means wherever ``posix_fadvise``
         exists, True requires it."""
-        if direct_io not in (True, False, "auto"):
+        if not (isinstance(direct_io, bool) or direct_io == "auto"):  # 1 and 0 are == True/False but not "is"
             raise InvalidArgumentError(f"direct_io must be true, false or 'auto', got {direct_io!r}")
         if direct_io is True and not hasattr(os, "O_DIRECT"):
             raise InvalidArgumentError(f"direct_io=True needs O_DIRECT, which {sys.platform} does not have; "
