@@ -305,6 +305,50 @@ def test_bad_chunk_size(memory_url: str, chunk_size: int) -> None:
         assert mgr.steps() == []
 
 
+@pytest.mark.parametrize(("setting", "message"), [
+    ({"chunk_size": "4MB"}, r"chunk_size must be an integer, got '4MB' \(str\)"),
+    ({"chunk_size": True}, r"chunk_size must be an integer, got True \(bool\)"),
+])
+def test_a_chunk_size_that_is_not_an_integer_fails_the_save_and_commits_nothing(
+        memory_url: str, setting: dict[str, Any], message: str) -> None:
+    with ckptvault.CheckpointManager(memory_url, **setting) as mgr:
+        with pytest.raises(InvalidArgumentError, match=message):
+            mgr.save(1, {"x": torch.ones(1)}).wait()
+        assert mgr.steps() == []
+
+
+@pytest.mark.parametrize(("setting", "message"), [
+    # a string or number where a flag belongs: "no" would be taken as true
+    ({"async_save": "yes"}, r"async_save must be true/false, got 'yes' \(str\)"),
+    ({"incremental": 1}, r"incremental must be true/false, got 1 \(int\)"),
+    ({"cache_keyframe": "no"}, r"cache_keyframe must be true/false or None, got 'no' \(str\)"),
+    # text where a number belongs: it failed as a TypeError inside the first save
+    ({"keyframe_every": "3"}, r"keyframe_every must be an integer, got '3' \(str\)"),
+    ({"keyframe_every": 2.5}, r"keyframe_every must be an integer, got 2.5 \(float\)"),
+    ({"keyframe_growth": "x"}, r"keyframe_growth must be a number, got 'x' \(str\)"),
+    ({"max_flushed": "0.1"}, r"max_flushed must be a number, got '0.1' \(str\)"),
+    ({"workers": "2"}, r"workers must be an integer or None, got '2' \(str\)"),
+    ({"max_staging_bytes": "1GB"}, r"max_staging_bytes must be an integer or None, got '1GB' \(str\)"),
+    # out of range: workers=0 meant the default, a negative cap staged nothing
+    ({"workers": 0}, r"workers must be at least 1 \(None: the default\), got 0"),
+    ({"max_staging_bytes": -1}, r"max_staging_bytes must be at least 0 \(None: no cap\), got -1"),
+    # a string or a number is not a retention policy (a string iterated its letters)
+    ({"retention": "last:3"}, r"retention takes a Retention, a policy or a list of policies, not 'last:3'"),
+    ({"retention": 3}, r"retention takes a Retention, a policy or a list of policies, not 3"),
+])
+def test_manager_settings_of_the_wrong_type_or_range_are_refused_at_once(
+        memory_url: str, setting: dict[str, Any], message: str) -> None:
+    with pytest.raises(InvalidArgumentError, match=message):
+        ckptvault.CheckpointManager(memory_url, **setting)
+
+
+def test_manager_settings_at_the_edges_of_their_ranges_are_taken(memory_url: str) -> None:
+    with ckptvault.CheckpointManager(memory_url, workers=1, max_staging_bytes=0, keyframe_every=1, keyframe_growth=2,
+                                     max_flushed=0, cache_keyframe=None, async_save=False, incremental=False,
+                                     chunk_size=1 << 16) as mgr:
+        assert mgr.save(1, {"x": torch.ones(1)}).wait().step == 1
+
+
 @pytest.mark.parametrize(("metrics", "detail"), [
     ({"loss": float("nan")}, r"non-finite values at \['loss'\]"),
     ({"loss": float("inf"), "acc": 1.0}, r"non-finite values at \['loss'\]"),

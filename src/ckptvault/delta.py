@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from .argcheck import check_kind
 from .codecs.planes import scratch, split_planes
 from .errors import InvalidArgumentError, ObjectNotFoundError, StepNotFoundError, VaultError
 from .format.manifest import manifest_key
@@ -57,6 +58,9 @@ class DeltaPolicy:
     growth: float = 0.9
 
     def __post_init__(self) -> None:
+        check_kind("incremental", self.enabled, bool)
+        check_kind("keyframe_every", self.every, int)
+        check_kind("keyframe_growth", self.growth, int, float)
         if self.every < 1:
             raise InvalidArgumentError(f"keyframe_every must be >= 1, got {self.every}")
         if not 0 < self.growth:

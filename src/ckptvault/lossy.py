@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from .argcheck import check_kind
 from .codecs import validate_codec_name
 from .errors import InvalidArgumentError, VaultError
 
@@ -77,6 +78,7 @@ class SafetyPolicy:
     def __post_init__(self) -> None:
         if self.on_unsafe not in ON_UNSAFE:
             raise InvalidArgumentError(f"on_unsafe must be one of {ON_UNSAFE}, got {self.on_unsafe!r}")
+        check_kind("max_flushed", self.max_flushed, int, float)
         if not 0 <= self.max_flushed <= 1:
             raise InvalidArgumentError(f"max_flushed must be within [0, 1], got {self.max_flushed}")
 

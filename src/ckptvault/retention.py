@@ -230,6 +230,10 @@ class Retention:
             return value
         if callable(getattr(value, "keeps", None)):
             return cls(value)  # type: ignore[arg-type]
+        if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):  # a str would iterate its letters
+            raise InvalidArgumentError(
+                f"retention takes a Retention, a policy or a list of policies, not {value!r}: for example "
+                "Retention(keep_last=3, keep_every=1000) or [KeepLast(3), KeepEvery(1000)]")
         return cls(*value)  # type: ignore[misc]
 
     def decide(self, infos: Sequence[RetentionInfo], now: float) -> list[Decision]:

@@ -29,6 +29,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from .argcheck import check_kind
 from .delta import DeltaPolicy, KeyframeCache, delta_context
 from .errors import InvalidArgumentError, SaveError, VaultError
 from .handle import SaveHandle
@@ -65,6 +66,11 @@ class Saver:
                  safety: SafetyPolicy | None = None, cache_keyframe: bool | None = None) -> None:
         if on_busy not in ON_BUSY:
             raise InvalidArgumentError(f"on_busy must be one of {ON_BUSY}, got {on_busy!r}")
+        check_kind("async_save", async_save, bool)
+        check_kind("cache_keyframe", cache_keyframe, bool, type(None))
+        check_kind("max_staging_bytes", max_staging_bytes, int, type(None))
+        if max_staging_bytes is not None and max_staging_bytes < 0:
+            raise InvalidArgumentError(f"max_staging_bytes must be at least 0 (None: no cap), got {max_staging_bytes}")
         self.vault, self.delta_policy = vault, delta_policy
         self.async_save, self.on_busy = async_save, on_busy
         self.max_staging_bytes = max_staging_bytes

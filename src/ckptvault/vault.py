@@ -21,6 +21,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from .argcheck import check_kind
 from .codecs import DEFAULT_CODEC, validate_codec_name
 from .delta_io import is_plane_delta, read_plane_delta
 from .errors import (
@@ -58,6 +59,9 @@ class Vault:
 
     def __init__(self, url: str | os.PathLike[str] | Store, storage_options: dict[str, Any] | None = None,
                  workers: int | None = None) -> None:
+        check_kind("workers", workers, int, type(None))
+        if workers is not None and workers < 1:
+            raise InvalidArgumentError(f"workers must be at least 1 (None: the default), got {workers}")
         self.store = open_store(url, storage_options)
         self.url = self.store.url
         # a store whose requests wait on the network (S3) asks for more threads than there are cores
@@ -92,6 +96,7 @@ class Vault:
         """Create the descriptor unless it exists (safe when several processes race); return it.
         ``chunk_size`` None: :meth:`default_chunk_size`."""
         chunk_size = self.default_chunk_size() if chunk_size is None else chunk_size
+        check_kind("chunk_size", chunk_size, int)
         if chunk_size % 64 or not MIN_CHUNK_SIZE <= chunk_size <= MAX_CHUNK_SIZE:
             raise InvalidArgumentError(
                 f"chunk_size must be a multiple of 64 between {MIN_CHUNK_SIZE} and {MAX_CHUNK_SIZE}, got {chunk_size}"

@@ -14,6 +14,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 from urllib.parse import urlsplit
 
+from ..argcheck import check_kind
 from ..errors import (
     InvalidArgumentError,
     ObjectNotFoundError,
@@ -83,7 +84,7 @@ class S3Options:
             raise InvalidArgumentError(f"sign_payloads must be true, false or null (sign unless over verified https), got "
                                        f"{opts.sign_payloads!r}")
         for name, value in options.items():  # the rest: the type each field's annotation admits
-            _check_type(name, value, _OPTION_TYPES[cls.__dataclass_fields__[name].type])
+            check_kind(f"storage_options {name}", value, *_OPTION_TYPES[cls.__dataclass_fields__[name].type])
         if opts.multipart_chunksize < 5 * MiB or opts.multipart_threshold < opts.multipart_chunksize:
             raise InvalidArgumentError("multipart_chunksize must be at least 5 MiB (S3's minimum part size) and "
                                        "multipart_threshold at least multipart_chunksize")
@@ -100,19 +101,11 @@ class S3Options:
         return opts
 
 
-#: the types each annotation of S3Options admits (bool is not taken for a number)
+#: the types each annotation of S3Options admits (``check_kind`` takes no bool for a number)
 _OPTION_TYPES: dict[str, tuple[type, ...]] = {
     "str | None": (str, type(None)), "bool | str | None": (bool, str, type(None)), "bool | None": (bool, type(None)),
     "str": (str,), "bool": (bool,), "int": (int,), "float": (int, float),
 }
-
-
-def _check_type(name: str, value: Any, admitted: tuple[type, ...]) -> None:
-    """InvalidArgumentError naming option ``name`` unless ``value`` is one of the ``admitted`` types."""
-    if not isinstance(value, admitted) or (isinstance(value, bool) and bool not in admitted):
-        kinds = " or ".join({str: "a string", bool: "true/false", int: "an integer", float: "a number",
-                             type(None): "null"}[t] for t in admitted if not (t is int and float in admitted))
-        raise InvalidArgumentError(f"storage_options {name} must be {kinds}, got {value!r} ({type(value).__name__})")
 
 
 def check_endpoint(endpoint: str, source: str) -> None:
