@@ -349,6 +349,15 @@ def test_manager_settings_at_the_edges_of_their_ranges_are_taken(memory_url: str
         assert mgr.save(1, {"x": torch.ones(1)}).wait().step == 1
 
 
+def test_numpy_numbers_are_taken_where_numbers_belong(memory_url: str) -> None:
+    with ckptvault.CheckpointManager(memory_url, workers=np.int64(2), keyframe_every=np.int32(3),
+                                     keyframe_growth=np.float32(0.5), max_flushed=np.float64(0.1),
+                                     max_staging_bytes=np.int64(1 << 20), chunk_size=np.int64(1 << 16)) as mgr:
+        mgr.save(1, {"x": torch.ones(4)}).wait()
+        assert mgr.info(1).step == 1
+        assert json.loads(mgr.vault.store.get("vault.json"))["chunk_size"] == 1 << 16
+
+
 @pytest.mark.parametrize(("metrics", "detail"), [
     ({"loss": float("nan")}, r"non-finite values at \['loss'\]"),
     ({"loss": float("inf"), "acc": 1.0}, r"non-finite values at \['loss'\]"),

@@ -3,18 +3,22 @@ deep inside a save, or a value such as ``"no"`` that Python would take as true."
 
 from __future__ import annotations
 
+import numbers
 from typing import Any
 
 from .errors import InvalidArgumentError
 
 _KIND_NAMES = {bool: "true/false", int: "an integer", float: "a number", str: "a string", type(None): "None"}
+#: what each kind admits: any integral or real number type (numpy's included) for int and float
+_ADMITS: dict[type, type] = {int: numbers.Integral, float: numbers.Real}
 
 
 def check_kind(name: str, value: Any, *kinds: type) -> None:
-    """InvalidArgumentError naming ``name`` unless ``value`` is an instance of one of ``kinds`` (``bool``, ``int``,
-    ``float``, ``str``, ``type(None)``). A bool is not taken for a number (True == 1); pass ``int, float`` for any
-    number."""
-    if isinstance(value, kinds) and not (isinstance(value, bool) and bool not in kinds):
+    """InvalidArgumentError naming ``name`` unless ``value`` is of one of ``kinds`` (``bool``, ``int``, ``float``,
+    ``str``, ``type(None)``). ``int`` admits any integral number (numpy's too), ``float`` any real one; a bool is not
+    taken for a number (True == 1)."""
+    admitted = tuple(_ADMITS.get(kind, kind) for kind in kinds)
+    if isinstance(value, admitted) and not (isinstance(value, bool) and bool not in kinds):
         return
     names = " or ".join(_KIND_NAMES[kind] for kind in kinds if not (kind is int and float in kinds))
     raise InvalidArgumentError(f"{name} must be {names}, got {value!r} ({type(value).__name__})")

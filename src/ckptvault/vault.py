@@ -97,6 +97,7 @@ class Vault:
         ``chunk_size`` None: :meth:`default_chunk_size`."""
         chunk_size = self.default_chunk_size() if chunk_size is None else chunk_size
         check_kind("chunk_size", chunk_size, int)
+        chunk_size = int(chunk_size)  # a numpy integer would not go into the JSON descriptor
         if chunk_size % 64 or not MIN_CHUNK_SIZE <= chunk_size <= MAX_CHUNK_SIZE:
             raise InvalidArgumentError(
                 f"chunk_size must be a multiple of 64 between {MIN_CHUNK_SIZE} and {MAX_CHUNK_SIZE}, got {chunk_size}"
