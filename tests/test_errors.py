@@ -27,6 +27,7 @@ from ckptvault.errors import (
 )
 from ckptvault.format.chunk_object import ChunkHeader, encode_object
 from ckptvault.format.manifest import decode_manifest, encode_manifest
+from ckptvault.retention import KeepLast
 from conftest import assert_same_state
 
 
@@ -356,6 +357,23 @@ def test_numpy_numbers_are_taken_where_numbers_belong(memory_url: str) -> None:
         mgr.save(1, {"x": torch.ones(4)}).wait()
         assert mgr.info(1).step == 1
         assert json.loads(mgr.vault.store.get("vault.json"))["chunk_size"] == 1 << 16
+
+
+@pytest.mark.parametrize(("call", "message"), [
+    (lambda m: m.gc(grace="1h", dry_run=True), r"grace must be a number, got '1h' \(str\)"),
+    (lambda m: m.gc(dry_run="no"), r"dry_run must be true/false, got 'no' \(str\)"),  # "no" was a dry run
+    (lambda m: m.prune(KeepLast(1), dry_run=0), r"dry_run must be true/false, got 0 \(int\)"),
+    (lambda m: m.verify("1"), r"step must be a non-negative int, got '1'"),  # was a ValueError from a format string
+])
+def test_maintenance_arguments_of_the_wrong_type_are_refused_and_delete_nothing(
+        memory_url: str, call: Any, message: str) -> None:
+    with ckptvault.CheckpointManager(memory_url, async_save=False) as mgr:
+        for step in (1, 2):
+            mgr.save(step, {"x": torch.full((3,), float(step))}).wait()
+        with pytest.raises(InvalidArgumentError, match=message):
+            call(mgr)
+        assert mgr.steps() == [1, 2]
+        assert mgr.verify().ok
 
 
 @pytest.mark.parametrize(("metrics", "detail"), [

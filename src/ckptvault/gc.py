@@ -35,6 +35,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from .argcheck import check_kind
 from .errors import (
     CorruptDataError,
     FormatVersionError,
@@ -116,6 +117,7 @@ def plan_gc(vault: Vault, grace: float = DEFAULT_GRACE) -> GCPlan:
 
     Raises MaintenanceRefusedError if a manifest is unreadable, VaultNotFoundError if there is no vault.
     """
+    check_kind("grace", grace, int, float)
     if not grace >= 0:
         raise InvalidArgumentError(f"grace must be >= 0 seconds, got {grace!r}")
     vault.require()
@@ -176,6 +178,7 @@ def execute_gc(vault: Vault, plan: GCPlan) -> GCResult:
 
 def collect(vault: Vault, grace: float = DEFAULT_GRACE, dry_run: bool = False) -> tuple[GCPlan, GCResult | None]:
     """Plan and, unless ``dry_run``, execute."""
+    check_kind("dry_run", dry_run, bool)  # "no" would be a dry run, 0 not
     plan = plan_gc(vault, grace)
     return plan, (None if dry_run else execute_gc(vault, plan))
 

@@ -197,7 +197,7 @@ class CheckpointManager(MaintenanceMixin):
 
     def verify(self, step: int | None = None, progress: Progress | None = None) -> VerifyReport:
         """Read and check every chunk of ``step`` (default: every step)."""
-        steps = [step] if step is not None else self.steps()
+        steps = [check_step(step)] if step is not None else self.steps()
         return verify_steps(self.vault, steps, progress)
 
     def _resolve(self, step: int | None) -> int:

@@ -21,6 +21,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from .argcheck import check_kind
 from .errors import InvalidArgumentError, ObjectNotFoundError, VaultError
 from .format.manifest import manifest_key, step_of_key
 from .gc import collect, manifest_infos, read_summaries
@@ -127,6 +128,7 @@ def execute_prune(vault: Vault, plan: PrunePlan) -> PruneResult:
 def prune(vault: Vault, retention: Retention | Policy | Iterable[Policy], *, dry_run: bool = False,
           now: float | None = None, protect: Iterable[int] = ()) -> tuple[PrunePlan, PruneResult | None]:
     """Plan and, unless ``dry_run``, execute."""
+    check_kind("dry_run", dry_run, bool)  # "no" would be a dry run, 0 not
     plan = plan_prune(vault, retention, now, protect)
     return plan, (None if dry_run else execute_prune(vault, plan))
 
