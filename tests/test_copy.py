@@ -216,3 +216,16 @@ def test_cli_on_s3_reports_bad_credentials_in_one_line(rgw: Gateway, s3_url: str
     env = {k: v for k, v in rgw.env().items() if k != "AWS_ENDPOINT_URL"} | {"AWS_ENDPOINT_URL": rgw.endpoint}
     missing = cli("ls", "s3://ckv-no-such-bucket/x", env=env)
     assert missing.returncode == 3 and "does not exist" in missing.stderr and os.linesep not in missing.stderr.strip()
+
+
+def test_cp_refuses_steps_it_cannot_parse_and_a_reversed_range(tmp_path: Path, states: dict[int, dict[str, Any]]) -> None:
+    src = tmp_path / "src"
+    _save(src, states, (10, 20))
+    for steps, message in (("x", "'x' is not a step, a list (100,200) or a range (100-500)"),
+                           ("20-10", "range 20-10 is empty: write the lower step first (10-20)")):
+        result = cli("cp", src, tmp_path / "dst", "--steps", steps, env=dict(os.environ))
+        assert result.returncode == 2 and message in result.stderr, result.stderr
+        assert not (tmp_path / "dst").exists()
+    assert cli("cp", src, tmp_path / "dst", "--steps", "10-20", env=dict(os.environ)).returncode == 0
+    with CheckpointManager(tmp_path / "dst") as mgr:
+        assert mgr.steps() == [10, 20]

@@ -28,6 +28,10 @@ def parse_steps(values: tuple[str, ...]) -> tuple[list[int], list[tuple[int, int
             except ValueError:
                 raise click.BadParameter(f"{part!r} is not a step, a list (100,200) or a range (100-500)",
                                          param_hint="--steps") from None
+    for low, high in ranges:
+        if low > high:  # a reversed range would name no step and copy nothing
+            raise click.BadParameter(f"range {low}-{high} is empty: write the lower step first ({high}-{low})",
+                                     param_hint="--steps")
     return singles, ranges
 
 
