@@ -250,6 +250,29 @@ def test_pickle_not_allowed(memory_url: str) -> None:
             mgr.restore(1, keys=["cfg"])
 
 
+@pytest.mark.parametrize("flag", ["no", "false", 0, None])
+def test_allow_pickle_must_be_a_bool_or_a_string_would_allow_unpickling(memory_url: str, flag: Any) -> None:
+    with ckptvault.CheckpointManager(memory_url, async_save=False) as mgr:
+        mgr.save(1, {"cfg": {"tags": {"a"}}, "w": torch.ones(1)}, allow_pickle=True).wait()
+        with pytest.raises(InvalidArgumentError, match=f"allow_pickle must be true/false, got {re.escape(repr(flag))}"):
+            mgr.restore(1, allow_pickle=flag)
+        with pytest.raises(InvalidArgumentError, match="allow_pickle must be true/false"):
+            mgr.save(2, {"cfg": {"tags": {"b"}}}, allow_pickle=flag)
+        assert mgr.steps() == [1]
+
+
+@pytest.mark.parametrize(("call", "message"), [
+    (lambda m: m.save(1, {"w": torch.zeros(1)}, overwrite="yes"), r"overwrite must be true/false, got 'yes'"),
+    (lambda m: m.restore(1, into={"w": torch.zeros(1)}, strict="no"), r"strict must be true/false, got 'no'"),
+])
+def test_save_and_restore_flags_must_be_bools(memory_url: str, call: Any, message: str) -> None:
+    with ckptvault.CheckpointManager(memory_url, async_save=False) as mgr:
+        mgr.save(1, {"w": torch.ones(1)}).wait()
+        with pytest.raises(InvalidArgumentError, match=message):
+            call(mgr)
+        assert torch.equal(mgr.restore(1)["w"], torch.ones(1))
+
+
 # -- restore arguments ---------------------------------------------------------------------------------
 
 def test_into_shape_and_dtype_mismatch(memory_url: str) -> None:

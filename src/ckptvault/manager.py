@@ -7,6 +7,7 @@ import os
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+from .argcheck import check_kind
 from .codecs import DEFAULT_CODEC
 from .codecs.planes import load_kernels_in_background
 from .delta import DeltaPolicy
@@ -130,6 +131,8 @@ class CheckpointManager(MaintenanceMixin):
         UnsupportedObjectError (naming the key path) for values that need pickle.
         """
         check_step(step)
+        check_kind("overwrite", overwrite, bool)
+        check_kind("allow_pickle", allow_pickle, bool)  # "no" would allow it
         codec = DEFAULT_CODEC if self._codec is None else self._codec
         desc = self.vault.descriptor() or self.vault.create(self._chunk_size, codec)
         if not overwrite and (self.vault.store.exists(manifest_key(step)) or self._saver.inflight_step == step):
@@ -183,6 +186,8 @@ class CheckpointManager(MaintenanceMixin):
         key path at the root or under one saved subtree, e.g. ``model``) and
         returns ``into``; no second copy of the state is made.
         """
+        check_kind("strict", strict, bool)
+        check_kind("allow_pickle", allow_pickle, bool)  # "no" would allow unpickling
         manifest = self.vault.read_manifest(self._resolve(step))
         if into is not None:
             return restore_into(self.vault, manifest, into, strict, progress)
