@@ -262,6 +262,21 @@ def test_allow_pickle_must_be_a_bool_or_a_string_would_allow_unpickling(memory_u
 
 
 @pytest.mark.parametrize(("call", "message"), [
+    (lambda m: m.restore(1, keys=5), r"keys must be a key path pattern or a list of them .*, got 5"),
+    (lambda m: m.restore(1, keys=["w", 1]), r"keys must be a key path pattern or a list of them .*, got \['w', 1\]"),
+    (lambda m: m.restore(1, progress=5), "progress must be a callable taking a byte count, or None, got 5"),
+    (lambda m: m.save(2, {"w": torch.zeros(1)}, progress="bar"), "progress must be a callable .* got 'bar'"),
+    (lambda m: m.verify(1, progress=True), "progress must be a callable .* got True"),
+])
+def test_keys_and_progress_of_the_wrong_kind_are_refused_before_any_work(memory_url: str, call: Any, message: str) -> None:
+    with ckptvault.CheckpointManager(memory_url, async_save=False) as mgr:
+        mgr.save(1, {"w": torch.ones(1)}).wait()
+        with pytest.raises(InvalidArgumentError, match=message):
+            call(mgr)
+        assert mgr.steps() == [1]
+
+
+@pytest.mark.parametrize(("call", "message"), [
     (lambda m: m.save(1, {"w": torch.zeros(1)}, overwrite="yes"), r"overwrite must be true/false, got 'yes'"),
     (lambda m: m.restore(1, into={"w": torch.zeros(1)}, strict="no"), r"strict must be true/false, got 'no'"),
 ])

@@ -22,3 +22,9 @@ def check_kind(name: str, value: Any, *kinds: type) -> None:
         return
     names = " or ".join(_KIND_NAMES[kind] for kind in kinds if not (kind is int and float in kinds))
     raise InvalidArgumentError(f"{name} must be {names}, got {value!r} ({type(value).__name__})")
+
+
+def check_progress(progress: Any) -> None:
+    """InvalidArgumentError unless ``progress`` is None or callable (it is called with a byte count)."""
+    if progress is not None and not callable(progress):
+        raise InvalidArgumentError(f"progress must be a callable taking a byte count, or None, got {progress!r}")

@@ -7,7 +7,7 @@ import os
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from .argcheck import check_kind
+from .argcheck import check_kind, check_progress
 from .codecs import DEFAULT_CODEC
 from .codecs.planes import load_kernels_in_background
 from .delta import DeltaPolicy
@@ -133,6 +133,7 @@ class CheckpointManager(MaintenanceMixin):
         check_step(step)
         check_kind("overwrite", overwrite, bool)
         check_kind("allow_pickle", allow_pickle, bool)  # "no" would allow it
+        check_progress(progress)
         codec = DEFAULT_CODEC if self._codec is None else self._codec
         desc = self.vault.descriptor() or self.vault.create(self._chunk_size, codec)
         if not overwrite and (self.vault.store.exists(manifest_key(step)) or self._saver.inflight_step == step):
@@ -188,6 +189,7 @@ class CheckpointManager(MaintenanceMixin):
         """
         check_kind("strict", strict, bool)
         check_kind("allow_pickle", allow_pickle, bool)  # "no" would allow unpickling
+        check_progress(progress)
         manifest = self.vault.read_manifest(self._resolve(step))
         if into is not None:
             return restore_into(self.vault, manifest, into, strict, progress)
@@ -202,6 +204,7 @@ class CheckpointManager(MaintenanceMixin):
 
     def verify(self, step: int | None = None, progress: Progress | None = None) -> VerifyReport:
         """Read and check every chunk of ``step`` (default: every step)."""
+        check_progress(progress)
         steps = [check_step(step)] if step is not None else self.steps()
         return verify_steps(self.vault, steps, progress)
 

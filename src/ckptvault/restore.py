@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from .arrays import empty_like_record, finish_ndarray, plain_cpu, tensor_bytes, torch_dtype, writable_bytes
-from .errors import CorruptChunkError, KeyMismatchError, ObjectNotFoundError, PickleNotAllowedError
+from .errors import CorruptChunkError, InvalidArgumentError, KeyMismatchError, ObjectNotFoundError, PickleNotAllowedError
 from .lossy import DEFAULT_BLOCK, LossySpec, decode
 from .parallel import map_all
 from .rules import any_match
@@ -142,7 +142,9 @@ def select(manifest: dict[str, Any], keys: Iterable[str] | None) -> set[str] | N
     """Leaf key paths matching ``keys`` (None = everything). Raises if nothing matches."""
     if keys is None:
         return None
-    patterns = [keys] if isinstance(keys, str) else list(keys)
+    patterns = [keys] if isinstance(keys, str) else list(keys) if isinstance(keys, Iterable) else None
+    if patterns is None or not all(isinstance(p, str) for p in patterns):
+        raise InvalidArgumentError(f"keys must be a key path pattern or a list of them (such as 'model.*'), got {keys!r}")
     paths = leaf_paths(manifest["tree"])
     chosen = {p for p in paths if any_match(p, patterns)}
     if not chosen:
