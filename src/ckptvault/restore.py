@@ -142,8 +142,8 @@ def select(manifest: dict[str, Any], keys: Iterable[str] | None) -> set[str] | N
     """Leaf key paths matching ``keys`` (None = everything). Raises if nothing matches."""
     if keys is None:
         return None
-    patterns = [keys] if isinstance(keys, str) else list(keys) if isinstance(keys, Iterable) else None
-    if patterns is None or not all(isinstance(p, str) for p in patterns):
+    patterns = list(keys) if isinstance(keys, Iterable) and not isinstance(keys, str) else [keys]  # one, or a list
+    if not all(isinstance(p, str) for p in patterns):
         raise InvalidArgumentError(f"keys must be a key path pattern or a list of them (such as 'model.*'), got {keys!r}")
     paths = leaf_paths(manifest["tree"])
     chosen = {p for p in paths if any_match(p, patterns)}
