@@ -139,6 +139,6 @@ def test_storage_option_drop_behind(tmp_path: Path) -> None:
         CheckpointManager(tmp_path / "c", storage_options={"drop_behind": "yes"})
     with pytest.raises(InvalidArgumentError, match="drop_behind must be true or false, got 1"):
         open_store(str(tmp_path / "c"), {"drop_behind": 1})
-    with pytest.raises(InvalidArgumentError,
-                       match=r"unknown storage_options for local vaults: \['drop'\]; known: \['direct_io', 'drop_behind'\]"):
+    with pytest.raises(InvalidArgumentError, match=r"unknown storage_options for local vaults: \['drop'\]; "
+                       r"known: \['direct_io', 'drop_behind', 'external_links'\]"):
         open_store(str(tmp_path / "d"), {"drop": True})

@@ -205,23 +205,27 @@ def test_execute_rechecks_manifests_committed_after_the_plan(vault: Path) -> Non
 
 
 def test_gc_sweeps_old_temp_files_markers_and_pins_of_deleted_steps(vault: Path) -> None:
+    dead, marker = f"{'d' * 32}.part", f"clock-{'0123' * 8}"  # named exactly as the store and gc name them
     (vault / "tmp").mkdir(exist_ok=True)
-    (vault / "tmp" / "dead.part").write_bytes(b"x" * 100)
+    (vault / "tmp" / dead).write_bytes(b"x" * 100)
+    (vault / "tmp" / "dead.part").write_bytes(b"x")  # not a name the store gives: not gc's to delete
     (vault / "gc").mkdir(exist_ok=True)
+    (vault / "gc" / marker).write_bytes(b"")
     (vault / "gc" / "clock-0123").write_bytes(b"")
     with CheckpointManager(vault) as mgr:
         mgr.pin(2, "gone-soon")
         mgr.pin(3, "stays")
         mgr.delete(2)
         age(vault, 2 * HOUR)
-        (vault / "tmp" / "live.part").write_bytes(b"y")  # a write in progress
+        (vault / "tmp" / f"{'e' * 32}.part").write_bytes(b"y")  # a write in progress
         _, result = mgr.gc(HOUR)
         assert result is not None
         kinds = sorted((g.kind, g.key) for g in result.deleted if g.kind != "chunk")
-        assert kinds == [("marker", "gc/clock-0123"), ("pin", "pins/00000000000000000002/gone-soon"),
-                         ("temp", "tmp/dead.part")]
+        assert kinds == [("marker", f"gc/{marker}"), ("pin", "pins/00000000000000000002/gone-soon"),
+                         ("temp", f"tmp/{dead}")]
         assert mgr.pins() == {3: frozenset({"stays"})}
-    assert (vault / "tmp" / "live.part").exists()
+    assert (vault / "tmp" / f"{'e' * 32}.part").exists()
+    assert (vault / "tmp" / "dead.part").exists() and (vault / "gc" / "clock-0123").exists()
 
 
 def test_negative_grace_is_refused(vault: Path) -> None:

@@ -117,6 +117,23 @@ class ObjectNotFoundError(StorageError, FileNotFoundError):
     """A storage key does not exist."""
 
 
+class UnsafeLinkError(PermanentStorageError):
+    """A symbolic link in a local vault leads outside it: the store refuses to read, copy or delete through it.
+
+    Opening a vault whose ``tmp/`` or key folders are links outside it needs ``storage_options={"external_links":
+    True}``; a link on a single object is never followed out of the vault.
+    """
+
+
+class OversizedObjectError(CorruptDataError):
+    """An object is larger than anything ckptvault writes under its key; it was refused before it was read."""
+
+    def __init__(self, key: str, size: int, limit: int, url: str) -> None:
+        self.key, self.size, self.limit = key, size, limit
+        super().__init__(f"object {key!r} in {url} is {size} bytes, more than the {limit} an object of its kind can be: "
+                         "it was not written by ckptvault; run `ckptvault verify` and remove it")
+
+
 class SaveError(VaultError):
     """A save failed; nothing was committed for its step."""
 

@@ -28,7 +28,6 @@ the marker cannot be written (read-only store), with a warning.
 from __future__ import annotations
 
 import logging
-import re
 import time
 import uuid
 from collections.abc import Iterable
@@ -46,6 +45,7 @@ from .errors import (
     StorageError,
 )
 from .format.chunk_object import CHUNKS_PREFIX
+from .format.keys import MANIFESTS_PREFIX, MARKER_PREFIX, chunk_id_of_key, is_marker_key, is_temp_key
 from .format.manifest import step_of_key
 from .pins import PINS_PREFIX, parse_pin_key
 from .retention import DEFAULT_GRACE
@@ -53,9 +53,6 @@ from .stores import ObjectInfo, Store
 from .vault import Vault
 
 log = logging.getLogger(__name__)
-
-MARKER_PREFIX = "gc/clock-"
-_CHUNK_KEY_RE = re.compile(r"^chunks/([0-9a-f]{2})/([0-9a-f]{64})$")
 
 
 @dataclass(frozen=True)
@@ -123,7 +120,7 @@ def plan_gc(vault: Vault, grace: float = DEFAULT_GRACE) -> GCPlan:
     vault.require()
     store = vault.store
     now, clock = store_now(store)
-    chunks = [i for i in store.list(CHUNKS_PREFIX) if _CHUNK_KEY_RE.match(i.key)]
+    chunks = [i for i in store.list(CHUNKS_PREFIX) if chunk_id_of_key(i.key) is not None]  # junk is never garbage
     listed = manifest_infos(store)
     live, _ = mark(vault, listed)
     plan = GCPlan(now, grace, clock, live, {i.key: (i.size, i.mtime) for i in listed}, [], len(chunks))
@@ -278,18 +275,19 @@ def _header_base(vault: Vault, cid: str) -> str | None:
 
 def manifest_infos(store: Store) -> list[ObjectInfo]:
     """Listing entries of every manifest object."""
-    return [i for i in store.list("manifests/") if step_of_key(i.key) is not None]
+    return [i for i in store.list(MANIFESTS_PREFIX) if step_of_key(i.key) is not None]
 
 
 def _other_garbage(store: Store, cutoff: float, committed: set[int | None]) -> list[Garbage]:
-    """Old temp files, old clock markers, and old pins of steps that are not committed."""
+    """Old temp files, old clock markers, and old pins of steps that are not committed: only objects named exactly
+    as ckptvault names them (anything else in those folders is not ckptvault's to delete)."""
     out: list[Garbage] = []
     temp_files = getattr(store, "temp_files", None)
     for info in temp_files() if callable(temp_files) else []:
-        if info.mtime <= cutoff:
+        if is_temp_key(info.key) and info.mtime <= cutoff:
             out.append(Garbage(info.key, info.size, info.mtime, "temp"))
     for info in store.list(MARKER_PREFIX):
-        if info.mtime <= cutoff:
+        if is_marker_key(info.key) and info.mtime <= cutoff:
             out.append(Garbage(info.key, info.size, info.mtime, "marker"))
     for info in store.list(PINS_PREFIX):
         parsed = parse_pin_key(info.key)

@@ -14,6 +14,7 @@ import logging
 import time
 
 from .errors import ObjectNotFoundError, StepNotFoundError
+from .format import keys
 from .format.manifest import manifest_key
 from .retention import validate_tag
 from .save import check_step
@@ -29,11 +30,8 @@ def pin_key(step: int, tag: str) -> str:
 
 
 def parse_pin_key(key: str) -> tuple[int, str] | None:
-    """(step, tag) of a pin key, or None for any other key."""
-    parts = key.split("/")
-    if len(parts) != 3 or parts[0] + "/" != PINS_PREFIX or not parts[1].isdigit() or not parts[2]:
-        return None
-    return int(parts[1]), parts[2]
+    """(step, tag) of ``pins/<20 ASCII digits>/<valid tag>``, or None for any other key."""
+    return keys.parse_pin_key(key)
 
 
 def pin(vault: Vault, step: int, tag: str) -> None:

@@ -25,7 +25,7 @@ from .argcheck import check_kind
 from .errors import InvalidArgumentError, ObjectNotFoundError, VaultError
 from .format.manifest import manifest_key, step_of_key
 from .gc import collect, manifest_infos, read_summaries
-from .pins import PINS_PREFIX, list_pins
+from .pins import PINS_PREFIX, list_pins, parse_pin_key
 from .retention import Decision, Policy, Retention, RetentionInfo
 from .vault import Vault
 
@@ -104,7 +104,7 @@ def execute_prune(vault: Vault, plan: PrunePlan) -> PruneResult:
     store = vault.store
     latest = _latest(vault)
     for step in plan.drop:
-        if any(True for _ in store.list(f"{PINS_PREFIX}{step:020d}/")):
+        if any(parse_pin_key(i.key) is not None for i in store.list(f"{PINS_PREFIX}{step:020d}/")):
             result.skipped[step] = "pinned"
             continue
         if latest is not None and not store.exists(manifest_key(latest)):

@@ -18,12 +18,12 @@ shifts which bucket is "current" by the skew.
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from .errors import InvalidArgumentError
+from .format.keys import is_valid_tag
 
 #: default grace period of garbage collection, in seconds (see ckptvault.gc)
 DEFAULT_GRACE = 3600.0
@@ -32,7 +32,6 @@ WEEK = 7 * DAY
 #: 1970-01-01 was a Thursday: shifting by 3 days starts weeks on Monday
 _MONDAY_OFFSET = 3 * DAY
 
-_TAG_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,127}$")
 
 
 @dataclass(frozen=True)
@@ -275,8 +274,8 @@ def decide(infos: Sequence[RetentionInfo], policies: Sequence[Policy], now: floa
 
 
 def validate_tag(tag: str) -> str:
-    """A pin tag: 1-128 characters of letters, digits, ``._-``, not starting with ``.`` or ``-``."""
-    if not isinstance(tag, str) or not _TAG_RE.match(tag):
+    """A pin tag: 1-128 characters of ASCII letters, digits, ``._-``, not starting with ``.`` or ``-``."""
+    if not is_valid_tag(tag):
         raise InvalidArgumentError(
             f"invalid pin tag {tag!r}: use 1-128 letters, digits, '.', '_' or '-', starting with a letter, digit or '_'"
         )

@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import VaultError
-from .format.chunk_object import CHUNKS_PREFIX, chunk_key
+from .format.chunk_object import chunk_key
+from .format.keys import chunk_id_of_key
 from .format.manifest import step_of_key
 from .vault import Vault
 
@@ -145,7 +146,7 @@ def vault_usage(vault: Vault) -> VaultUsage:
     usage.unique_raw_bytes = sum(refs.raw.values())
     needed = {chunk_key(cid) for cid in refs.ids}
     for info in vault.store.list():
-        if info.key.startswith(CHUNKS_PREFIX):
+        if chunk_id_of_key(info.key) is not None:
             usage.chunks.add(info.size)
             (usage.referenced if info.key in needed else usage.unreferenced).add(info.size)
         elif step_of_key(info.key) is not None:

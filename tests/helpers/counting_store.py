@@ -27,14 +27,14 @@ class CountingStore(LocalStore):
             self.read[key] = self.read.get(key, 0) + len(data)
         return data
 
-    def get(self, key: str) -> bytes:
-        return self._count(key, super().get(key))
+    def get(self, key: str, max_size: int | None = None) -> bytes:
+        return self._count(key, super().get(key, max_size))
 
     def get_range(self, key: str, start: int, length: int) -> bytes:
         return self._count(key, super().get_range(key, start, length))
 
-    def get_transient(self, key: str) -> memoryview:
-        return self._count(key, super().get_transient(key))
+    def get_transient(self, key: str, max_size: int | None = None) -> memoryview:
+        return self._count(key, super().get_transient(key, max_size))
 
     def put_if_absent(self, key: str, data: bytes | memoryview) -> bool:
         if self.fail_chunk_writes and key.startswith("chunks/"):

@@ -56,7 +56,8 @@ Exit status:
 @click.option("-v", "--verbose", count=True, help="Log what ckptvault does on stderr (-vv for debug detail).")
 @click.option("--storage-option", "storage_options", multiple=True, metavar="KEY=VALUE",
               help="A storage option for the vault the command opens (s3://: endpoint_url, addressing_style, profile, "
-                   "region_name, ...; a path: drop_behind, direct_io); repeatable. cp takes --src-option/--dst-option.")
+                   "region_name, ...; a path: drop_behind, direct_io, external_links); repeatable. cp takes "
+                   "--src-option/--dst-option.")
 @click.pass_context
 def main(ctx: click.Context, verbose: int, storage_options: tuple[str, ...]) -> None:
     configure_logging(verbose)

@@ -30,6 +30,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from ..errors import OversizedObjectError
+
 
 @dataclass(frozen=True)
 class ObjectInfo:
@@ -50,17 +52,19 @@ class Store(abc.ABC):
     cheap_stat: bool = True
 
     @abc.abstractmethod
-    def get(self, key: str) -> bytes:
-        """Return the whole object. Raises ObjectNotFoundError if absent."""
+    def get(self, key: str, max_size: int | None = None) -> bytes:
+        """Return the whole object. Raises ObjectNotFoundError if absent, and OversizedObjectError (without reading
+        it whole) if it is larger than ``max_size`` bytes: what a reader that knows the largest object of its
+        kind passes, so a hostile object cannot make it allocate more."""
 
     def get_range(self, key: str, start: int, length: int) -> bytes:
         """Return ``length`` bytes from ``start`` (fewer at the end of the object)."""
         return self.get(key)[start : start + length]
 
-    def get_transient(self, key: str) -> bytes | memoryview:
+    def get_transient(self, key: str, max_size: int | None = None) -> bytes | memoryview:
         """:meth:`get`, possibly into a buffer that this thread's next call reuses: for a reader done with the
         bytes (and views of them) before it reads again. The local store reads into one buffer per thread."""
-        return self.get(key)
+        return self.get(key, max_size)
 
     @abc.abstractmethod
     def put(self, key: str, data: bytes | memoryview) -> None:
@@ -106,6 +110,12 @@ class Store(abc.ABC):
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release connections or handles. The store is unusable afterwards."""
+
+
+def check_size(store: Store, key: str, size: int, max_size: int | None) -> None:
+    """Raise OversizedObjectError if ``size`` exceeds ``max_size`` (None: no limit); for :meth:`Store.get`."""
+    if max_size is not None and size > max_size:
+        raise OversizedObjectError(key, size, max_size, store.url)
 
 
 class WriteBatch:

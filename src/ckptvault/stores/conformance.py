@@ -31,7 +31,7 @@ from typing import Any
 
 import pytest
 
-from ..errors import ObjectNotFoundError, StorageError, VaultError
+from ..errors import ObjectNotFoundError, OversizedObjectError, StorageError, VaultError
 from .base import ObjectInfo, Store
 
 
@@ -227,6 +227,17 @@ class StoreConformance:
         batch.finish()
         assert bytes(store.get("parts/new")) == b"".join(bytes(p) for p in parts)
         assert bytes(store.get("parts/empty")) == b"" and bytes(store.get("parts/old")) == b"old"
+
+    def test_get_refuses_an_object_larger_than_max_size(self, store: Store) -> None:
+        store.put("sized/a", b"a" * 5000)
+        assert bytes(store.get("sized/a", max_size=5000)) == b"a" * 5000
+        assert bytes(store.get_transient("sized/a", max_size=5000)) == b"a" * 5000
+        for get in (store.get, store.get_transient):
+            with pytest.raises(OversizedObjectError, match=r"object 'sized/a' in .* is 5000 bytes, more than the 4999") as info:
+                get("sized/a", max_size=4999)
+            assert (info.value.size, info.value.limit) == (5000, 4999)
+            with pytest.raises(ObjectNotFoundError):
+                get("sized/missing", max_size=10)
 
     def test_get_transient_reads_the_whole_object(self, store: Store) -> None:
         store.put("transient/a", b"a" * 5000)

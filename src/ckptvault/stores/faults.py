@@ -66,9 +66,9 @@ class FaultyStore(Store):
             self.counts[f"stall:{method}"] += 1
             time.sleep(self.stall_s)
 
-    def get(self, key: str) -> bytes:
+    def get(self, key: str, max_size: int | None = None) -> bytes:
         self._maybe_fault("get", key)
-        return self.inner.get(key)
+        return self.inner.get(key, max_size)
 
     def get_range(self, key: str, start: int, length: int) -> bytes:
         self._maybe_fault("get_range", key)

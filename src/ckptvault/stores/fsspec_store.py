@@ -33,7 +33,7 @@ from datetime import datetime
 from typing import Any
 
 from ..errors import InvalidArgumentError, ObjectNotFoundError, PermanentStorageError, StorageError
-from .base import ObjectInfo, Store
+from .base import ObjectInfo, Store, check_size
 from .local import _classified
 
 TMP_DIR = "tmp"
@@ -83,7 +83,11 @@ class FsspecStore(Store):
             return _KEY_LOCKS.setdefault((id(self.fs), path), threading.Lock())
 
     # -- Store interface -------------------------------------------------
-    def get(self, key: str) -> bytes:
+    def get(self, key: str, max_size: int | None = None) -> bytes:
+        if max_size is not None:
+            with _errors(key, self.url):
+                size = self.fs.size(self._path(key))
+            check_size(self, key, size, max_size)  # outside _errors, which would wrap it as a storage error
         with _errors(key, self.url):
             return bytes(self.fs.cat_file(self._path(key)))
 

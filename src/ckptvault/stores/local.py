@@ -43,6 +43,19 @@ few pages from chunk to chunk instead of faulting in new ones. The hint never
 affects durability.
 Reads stay cached: a delta save reads its keyframe's chunks once, then from
 memory.
+
+Symbolic links never take an operation out of the vault. On its first
+operation the store refuses (:class:`UnsafeLinkError`) a vault whose ``tmp/``,
+``chunks/``, ``manifests/``, ``pins/``, ``gc/`` or ``chunks/<xx>/`` folder is a
+link leading outside it, unless it was opened with ``external_links=True``,
+which makes those links' targets part of the vault. Every read, stat and touch
+follows a link on an object file only to a file inside the vault (the file is
+opened with ``O_NOFOLLOW``; a link is resolved and checked first), and checks
+the folder holding it once per store. A delete resolves the folder it deletes
+in every time, unlinks by name in the directory it opened and checked (so a
+link removes the link, never its target), and never reaches outside the vault.
+Writes go through ``tmp/`` and folders checked when the vault was opened, with
+no check per chunk.
 """
 
 from __future__ import annotations
@@ -53,6 +66,7 @@ import logging
 import mmap
 import os
 import platform
+import stat
 import sys
 import threading
 import uuid
@@ -61,8 +75,15 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from ..errors import InvalidArgumentError, ObjectNotFoundError, PermanentStorageError, StorageError, StorageFullError
-from .base import ObjectInfo, Store, WriteBatch
+from ..errors import (
+    InvalidArgumentError,
+    ObjectNotFoundError,
+    PermanentStorageError,
+    StorageError,
+    StorageFullError,
+    UnsafeLinkError,
+)
+from .base import ObjectInfo, Store, WriteBatch, check_size
 
 log = logging.getLogger(__name__)
 
@@ -76,19 +97,40 @@ DIRECT_PIECE = 8 << 20
 #: with drop_behind, the newest bytes of a save's chunks that may stay cached while it writes
 DROP_BEHIND_WINDOW = 64 << 20
 #: the storage_options a local vault takes
-LOCAL_OPTIONS = ("direct_io", "drop_behind")
+LOCAL_OPTIONS = ("direct_io", "drop_behind", "external_links")
+#: folders under the root whose links are checked when the store opens a vault (and each chunks/<xx>)
+KEY_FOLDERS = (TMP_DIR, "chunks", "manifests", "pins", "gc")
+#: how object files are opened for reading: a link on the file itself is never followed by open(2)
+_OPEN_READ = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+_OPEN_DIR = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0)
+#: what open(O_NOFOLLOW) of a link fails with: ELOOP (Linux, macOS), EMLINK (FreeBSD)
+_LINK_ERRNOS = (errno.ELOOP, errno.EMLINK)
+_UNLINK_AT = os.unlink in os.supports_dir_fd
+_UTIME_NOFOLLOW = os.utime in os.supports_follow_symlinks
+#: what external_links covers, for messages
+_LINKABLE = "tmp/, chunks/, chunks/<xx>/, manifests/, pins/ and gc/"
 
 
 class LocalStore(Store):
-    """Objects are files under ``root``; keys map to relative paths."""
+    """Objects are files under ``root``; keys map to relative paths.
+
+    No operation leaves the vault through a symbolic link (module docstring). ``external_links=True`` (the
+    storage option of the same name) accepts ``tmp/``, ``chunks/``, ``manifests/``, ``pins/``, ``gc/`` and
+    ``chunks/<xx>/`` folders that are links to folders outside the root (another disk): their targets then count
+    as part of the vault, and reads and deletes inside them are allowed. Without it (the default) the first
+    operation on such a vault raises UnsafeLinkError naming the link. Either way a link on a single object file
+    that leads outside is never followed (reads, stats and touches of it raise UnsafeLinkError), and deleting
+    such an object removes at most the link.
+    """
 
     def __init__(self, root: str | os.PathLike[str], direct_io: bool | str = False,
-                 drop_behind: bool | None = None) -> None:
+                 drop_behind: bool | None = None, external_links: bool = False) -> None:
         """``direct_io``: how write batches (a save's chunks) write: False (the default) through the page
         cache, "auto" with O_DIRECT on ext4 and XFS, True with O_DIRECT on any file system that accepts it
         (one that refuses fails the save). ``drop_behind``: whether what the store writes leaves the page
         cache once it is on disk (module docstring); None (the default) means wherever ``posix_fadvise``
-        exists, True requires it."""
+        exists, True requires it. ``external_links``: whether key folders may be links leading outside the
+        root (class docstring)."""
         if not (isinstance(direct_io, bool) or direct_io == "auto"):  # 1 and 0 are == True/False but not "is"
             raise InvalidArgumentError(f"direct_io must be true, false or 'auto', got {direct_io!r}")
         if direct_io is True and not hasattr(os, "O_DIRECT"):
@@ -99,17 +141,25 @@ class LocalStore(Store):
         if drop_behind and not _CAN_DROP:
             raise InvalidArgumentError(f"drop_behind=True needs posix_fadvise, which {sys.platform} does not have; "
                                        "leave drop_behind unset or pass False")
+        if not isinstance(external_links, bool):
+            raise InvalidArgumentError(f"external_links must be true or false, got {external_links!r}")
         self.root = Path(root).expanduser().absolute()
         self.url = str(self.root)
         self.direct_io = direct_io
         self.drop_behind = _CAN_DROP if drop_behind is None else drop_behind
         self._direct: bool | None = None  # decided at the first batch write, once the root exists
         self._made_dirs: set[Path] = set()
+        self.external_links = external_links
+        #: resolved folders that are the vault: the root and, with external_links, the targets of its folder links
+        self._inside: tuple[str, ...] = (os.path.realpath(self.root),)
+        self._layout_checked = False  # set by the first operation that finds the root (_check_layout)
+        self._layout_lock = threading.Lock()
+        self._safe_folders: set[str] = set()  # key folders ("chunks/ab") already found to resolve inside the vault
 
     @classmethod
     def from_options(cls, root: str, options: dict | None) -> LocalStore:
-        """A store for ``root`` with ``storage_options`` (``direct_io``, ``drop_behind``); unknown keys are an
-        error."""
+        """A store for ``root`` with ``storage_options`` (``direct_io``, ``drop_behind``, ``external_links``);
+        unknown keys are an error."""
         options = dict(options or {})
         unknown = sorted(set(options) - set(LOCAL_OPTIONS))
         if unknown:
@@ -132,6 +182,162 @@ class LocalStore(Store):
         if not key or key.startswith("/") or ".." in key.split("/"):
             raise PermanentStorageError(f"invalid storage key {key!r}")
         return self.root / key
+
+    # -- links -----------------------------------------------------------
+    def _ready(self) -> None:
+        """Check the vault's folder links once (:meth:`_check_layout`), at the first operation that finds the root."""
+        if not self._layout_checked:
+            with self._layout_lock:
+                if not self._layout_checked:
+                    self._check_layout()
+
+    def _check_layout(self) -> None:
+        """Raise UnsafeLinkError if a key folder (or chunks/<xx>) is a link leading outside the vault, unless
+        ``external_links``, which adds its target to the vault. Until the root exists there is nothing to check:
+        the folders a first save makes are real ones."""
+        real_root = os.path.realpath(self.root)
+        if not os.path.isdir(real_root):
+            return
+        inside = [real_root]
+        for rel in self._folder_links():  # top folders first, so a chunks/<xx> link into a linked chunks/ is inside
+            target = os.path.realpath(self.root / rel)
+            if _within(target, inside):
+                continue
+            if not self.external_links:
+                raise UnsafeLinkError(
+                    f"{self.root / rel} is a symbolic link to {target}, outside the vault {self.root}: ckptvault "
+                    f"refuses to read, write or delete through it (gc deletes old files in {rel}/). Replace the link "
+                    "with the folder itself, or, if the vault is meant to span it, open the vault with "
+                    "storage_options={'external_links': True} (CLI: ckptvault --storage-option external_links=true ...)")
+            log.info("%s: %s links to %s, outside the root; part of the vault (external_links)", self.url, rel, target)
+            inside.append(target)
+        self._inside = tuple(inside)
+        self._layout_checked = True
+
+    def _folder_links(self) -> list[str]:
+        """The key folders and chunks/<xx> fan-out folders (paths relative to the root) that are symbolic links."""
+        links = [name for name in KEY_FOLDERS if os.path.islink(self.root / name)]
+        try:
+            with os.scandir(self.root / "chunks") as entries:
+                links += [f"chunks/{entry.name}" for entry in entries if entry.is_symlink()]
+        except (FileNotFoundError, NotADirectoryError):
+            pass
+        return links
+
+    def _outside(self, folder: Path | str, real: str, what: str) -> UnsafeLinkError:
+        """The error for ``what`` (an action on a key) through ``folder``, which resolves to ``real`` outside."""
+        return UnsafeLinkError(
+            f"{folder} leads to {real}, outside the vault {self.root}: ckptvault refuses to {what} through it. "
+            f"Replace the link with the folder itself (external_links covers only {_LINKABLE} links)")
+
+    def _check_folder(self, key: str, path: Path) -> None:
+        """Raise UnsafeLinkError if the folder of ``key`` (at ``path``) resolves outside the vault; each folder is
+        resolved once per store (reads and writes of thousands of chunks share a few hundred folders)."""
+        folder = key.rpartition("/")[0]
+        if folder in self._safe_folders:
+            return
+        real = os.path.realpath(path.parent)
+        if not _within(real, self._inside):
+            raise self._outside(path.parent, real, f"use {key!r}")
+        self._safe_folders.add(folder)
+
+    def _follow(self, key: str, path: Path) -> str:
+        """Where the link at ``path`` (object ``key``) leads, if that is inside the vault; UnsafeLinkError if not."""
+        real = os.path.realpath(path)
+        if not _within(real, self._inside):
+            raise UnsafeLinkError(
+                f"{path} (object {key!r}) is a symbolic link to {real}, outside the vault {self.root}: ckptvault "
+                "never follows a link on an object out of the vault (external_links covers folders only). Replace "
+                "the link with a copy of the file it points to, or delete it")
+        return real
+
+    def _open_object(self, key: str) -> int:
+        """A read-only descriptor of ``key``'s file. The file is opened with O_NOFOLLOW, so a link on it is
+        followed only by resolving and checking it first (what was checked is what is read)."""
+        self._ready()
+        path = self._path(key)
+        self._check_folder(key, path)
+        try:
+            return os.open(path, _OPEN_READ)
+        except OSError as exc:
+            if exc.errno not in _LINK_ERRNOS:
+                raise
+        return os.open(self._follow(key, path), _OPEN_READ)  # a link swapped in since the check fails with ELOOP
+
+    def _lstat_object(self, key: str) -> tuple[Path | str, os.stat_result]:
+        """The file behind ``key`` (a link inside the vault resolved; one leading outside refused) and its stat."""
+        self._ready()
+        path = self._path(key)
+        self._check_folder(key, path)
+        st = os.lstat(path)
+        if not stat.S_ISLNK(st.st_mode):
+            return path, st
+        real = self._follow(key, path)
+        return real, os.stat(real)
+
+    def _open_folder(self, key: str, folder: Path) -> int | None:
+        """A descriptor of ``folder`` to delete ``key`` in, once the directory it opened is found inside the vault
+        (resolved at every call, never from a cache); None if there is no such folder (so no object)."""
+        try:
+            fd = os.open(folder, _OPEN_DIR)
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        try:
+            real = os.path.realpath(folder)
+            if not _within(real, self._inside):
+                raise self._outside(folder, real, f"delete {key!r}")
+            if not os.path.samestat(os.fstat(fd), os.stat(real)):  # swapped between the open and the check
+                raise UnsafeLinkError(f"{folder} changed while ckptvault checked where it leads; {key!r} was not deleted")
+        except FileNotFoundError:
+            os.close(fd)
+            return None
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    def _walk(self, folder: str, rel: str, trail: tuple[str, ...]) -> Iterator[tuple[str, os.stat_result]]:
+        """(key, stat) of every object file under ``folder``, whose keys start with ``rel`` (``tmp/`` left out).
+        ``trail``: the resolved folder the walk began in and those it entered through links (see :meth:`_walk_link`)."""
+        try:
+            with os.scandir(folder) as it:
+                entries = list(it)
+        except (FileNotFoundError, NotADirectoryError):
+            return
+        for entry in entries:
+            key = f"{rel}/{entry.name}" if rel else entry.name
+            if key == TMP_DIR:
+                continue  # temporary files are not objects
+            if entry.is_symlink():
+                yield from self._walk_link(entry.path, key, trail)
+            elif entry.is_dir(follow_symlinks=False):
+                yield from self._walk(entry.path, key, trail)
+            elif entry.is_file(follow_symlinks=False):
+                try:
+                    st = entry.stat(follow_symlinks=False)
+                except FileNotFoundError:
+                    continue  # deleted while listed
+                yield key, st
+
+    def _walk_link(self, path: str, key: str, trail: tuple[str, ...]) -> Iterator[tuple[str, os.stat_result]]:
+        """What :meth:`_walk` lists for the link ``path``: the folder it leads to, if inside the vault and neither
+        on ``trail`` nor above it (so a link loop ends); the regular file it leads to, if inside; a link on a file
+        outside as itself (its own size and time: reading it is refused)."""
+        real = os.path.realpath(path)
+        inside = _within(real, self._inside)
+        if os.path.isdir(real):
+            if inside and not any(_within(t, (real,)) for t in trail):
+                yield from self._walk(path, key, (*trail, real))
+            else:
+                log.warning("%s: not listing %s, a link to %s (%s)", self.url, path, real,
+                            "a folder this listing is already in" if inside else "outside the vault")
+            return
+        try:
+            st = os.stat(real) if inside else os.lstat(path)
+        except FileNotFoundError:
+            return  # a dangling link is no object
+        if stat.S_ISREG(st.st_mode) or not inside:
+            yield key, st
 
     def _ensure_dir(self, path: Path) -> None:
         if path in self._made_dirs:
@@ -192,12 +398,12 @@ class LocalStore(Store):
             raise
         return tmp
 
-    def get_transient(self, key: str) -> memoryview:
+    def get_transient(self, key: str, max_size: int | None = None) -> memoryview:
         """The object's bytes in this thread's read buffer, reused by its next call: for a reader that is done
         with them (and with views of them) before then. Spares a fresh allocation per read."""
-        path = self._path(key)
-        with _classified(key), open(path, "rb", buffering=0) as f:
+        with _classified(key), open(self._open_object(key), "rb", buffering=0) as f:
             size = os.fstat(f.fileno()).st_size
+            check_size(self, key, size, max_size)
             buffer = _thread_buffer("read", size)
             got = 0
             while got < size:
@@ -208,18 +414,22 @@ class LocalStore(Store):
         return buffer[:got]
 
     # -- Store interface -------------------------------------------------
-    def get(self, key: str) -> bytes:
-        path = self._path(key)
-        with _classified(key):
-            return path.read_bytes()
+    def get(self, key: str, max_size: int | None = None) -> bytes:
+        with _classified(key), open(self._open_object(key), "rb", buffering=0) as f:
+            if max_size is not None:
+                check_size(self, key, os.fstat(f.fileno()).st_size, max_size)
+            return f.read()
 
     def get_range(self, key: str, start: int, length: int) -> bytes:
-        with _classified(key), open(self._path(key), "rb") as f:
+        with _classified(key), open(self._open_object(key), "rb") as f:
             f.seek(start)
             return f.read(length)
 
     def put(self, key: str, data: bytes | memoryview) -> None:
         final = self._path(key)
+        with _classified(key):
+            self._ready()
+            self._check_folder(key, final)
         self._ensure_dir(final.parent)
         tmp = self._write_temp(data, final)
         try:
@@ -231,9 +441,9 @@ class LocalStore(Store):
         _fsync_dir(final.parent)
 
     def put_if_absent(self, key: str, data: bytes | memoryview) -> bool:
-        final = self._path(key)
-        if final.exists():
+        if self.exists(key):
             return False
+        final = self._path(key)
         self._ensure_dir(final.parent)
         tmp = self._write_temp(data, final)
         try:
@@ -253,54 +463,79 @@ class LocalStore(Store):
         return LocalWriteBatch(self) if _syncfs is not None else WriteBatch(self)
 
     def exists(self, key: str) -> bool:
-        return self._path(key).is_file()  # a key prefix ("chunks") is a directory, not an object
-
-    def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
-        base_dir = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
-        start = self.root / base_dir if base_dir else self.root
-        if not start.is_dir():
-            return
-        for dirpath, dirnames, filenames in os.walk(start):
-            rel_dir = os.path.relpath(dirpath, self.root)
-            if rel_dir == TMP_DIR:
-                dirnames[:] = []
-                continue
-            for name in filenames:
-                key = name if rel_dir == "." else f"{rel_dir}/{name}".replace(os.sep, "/")
-                if key.startswith(prefix) and not key.startswith(TMP_DIR + "/"):
-                    try:
-                        st = os.stat(os.path.join(dirpath, name))
-                    except FileNotFoundError:
-                        continue
-                    yield ObjectInfo(key, st.st_size, st.st_mtime)
-
-    def delete(self, key: str) -> None:
-        path = self._path(key)
+        """True if ``key`` is a regular file (or a link to one inside the vault); UnsafeLinkError for a link
+        leading outside, which must not pass for an object a save may reuse."""
         with _classified(key):
             try:
-                path.unlink()
-            except FileNotFoundError:
+                _, st = self._lstat_object(key)
+            except (FileNotFoundError, NotADirectoryError):
+                return False
+        return stat.S_ISREG(st.st_mode)  # a key prefix ("chunks") is a directory, not an object
+
+    def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        """Every object file whose key starts with ``prefix`` (``tmp/`` left out). Folder links are followed
+        only where they stay inside the vault; a link on a file leading outside is listed as itself (reading it
+        is refused). UnsafeLinkError if the folder ``prefix`` names resolves outside the vault."""
+        base_dir = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
+        start = self.root / base_dir if base_dir else self.root
+        with _classified(prefix or self.url):
+            self._ready()
+            real = os.path.realpath(start)
+            if not os.path.isdir(real):
                 return
-        _fsync_dir(path.parent)
+            if not _within(real, self._inside):
+                raise self._outside(start, real, f"list {prefix!r}")
+        for key, st in self._walk(str(start), base_dir, (real,)):
+            if key.startswith(prefix) and not key.startswith(TMP_DIR + "/"):  # list("tmp/") too: never objects
+                yield ObjectInfo(key, st.st_size, st.st_mtime)
+
+    def delete(self, key: str) -> None:
+        """Remove ``key``'s file (a link: the link itself, never its target), and only inside the vault: the
+        folder is opened and checked first (UnsafeLinkError if it resolves outside), then the name unlinked in it."""
+        path = self._path(key)
+        with _classified(key):
+            self._ready()
+            folder = self._open_folder(key, path.parent)
+            if folder is None:
+                return
+            try:
+                try:
+                    if _UNLINK_AT:
+                        os.unlink(path.name, dir_fd=folder)
+                    else:  # no unlinkat here: the folder was checked just now by path
+                        os.unlink(path)
+                except FileNotFoundError:
+                    return
+                _fsync_fd(folder)
+            finally:
+                os.close(folder)
 
     def stat(self, key: str) -> ObjectInfo:
+        """Size and mtime of ``key``'s file (of its target, for a link inside the vault; UnsafeLinkError outside)."""
         with _classified(key):
-            st = self._path(key).stat()
+            _, st = self._lstat_object(key)
         return ObjectInfo(key, st.st_size, st.st_mtime)
 
     def touch(self, key: str) -> None:
+        """Set the mtime of ``key``'s file (of its target, for a link inside the vault; UnsafeLinkError outside)."""
         with _classified(key):
-            os.utime(self._path(key))
+            target, _ = self._lstat_object(key)
+            os.utime(target, follow_symlinks=not _UTIME_NOFOLLOW)  # a link swapped in since the check: the link's own
 
     def temp_files(self) -> list[ObjectInfo]:
-        """Leftover temporary files of interrupted writes (invisible to :meth:`list`)."""
-        tmp_dir = self.root / TMP_DIR
-        if not tmp_dir.is_dir():
+        """Leftover temporary files of interrupted writes (invisible to :meth:`list`): the regular files in
+        ``tmp/``; a folder or link there is nobody's temporary file."""
+        with _classified(TMP_DIR):
+            self._ready()
+        try:
+            with os.scandir(self.root / TMP_DIR) as it:
+                entries = [entry for entry in it if entry.is_file(follow_symlinks=False)]
+        except (FileNotFoundError, NotADirectoryError):
             return []
         out = []
-        for entry in os.scandir(tmp_dir):
+        for entry in entries:
             try:
-                st = entry.stat()
+                st = entry.stat(follow_symlinks=False)
             except FileNotFoundError:
                 continue
             out.append(ObjectInfo(f"{TMP_DIR}/{entry.name}", st.st_size, st.st_mtime))
@@ -356,9 +591,9 @@ class LocalWriteBatch(WriteBatch):
         return self.put_parts_if_absent(key, [data])
 
     def put_parts_if_absent(self, key: str, parts: list[Any]) -> bool:
-        final = self.local._path(key)
-        if final.exists():
+        if self.local.exists(key):
             return False
+        final = self.local._path(key)
         tmp = self.local.write_unsynced(parts, final)
         with self._lock:
             self._pending.append((tmp, final))
@@ -547,6 +782,20 @@ def _file_system_type(path: Path) -> int | None:
     if _statfs(os.fsencode(path), buffer) != 0:
         return None
     return ctypes.c_long.from_buffer(buffer).value & 0xFFFFFFFF
+
+
+def _within(real: str, bases: tuple[str, ...] | list[str]) -> bool:
+    """Whether the resolved path ``real`` is one of the resolved folders ``bases`` or lies under one."""
+    probe = real.rstrip(os.sep) + os.sep
+    return any(probe.startswith(base.rstrip(os.sep) + os.sep) for base in bases)
+
+
+def _fsync_fd(fd: int) -> None:
+    """fsync a directory descriptor; a file system that cannot sync directories makes this a no-op."""
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
 
 
 def _fsync_dir(path: Path) -> None:

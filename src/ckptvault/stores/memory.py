@@ -10,7 +10,7 @@ import time
 from collections.abc import Iterator
 
 from ..errors import ObjectNotFoundError
-from .base import ObjectInfo, Store
+from .base import ObjectInfo, Store, check_size
 
 _SHARED: dict[str, dict[str, tuple[bytes, float]]] = {}
 _LOCKS: dict[str, threading.Lock] = {}  # one per name: put_if_absent must exclude every handle of that name
@@ -26,11 +26,13 @@ class MemoryStore(Store):
             self._objects = _SHARED.setdefault(name, {})
             self._lock = _LOCKS.setdefault(name, threading.Lock())
 
-    def get(self, key: str) -> bytes:
+    def get(self, key: str, max_size: int | None = None) -> bytes:
         try:
-            return self._objects[key][0]
+            data = self._objects[key][0]
         except KeyError:
             raise ObjectNotFoundError(f"no object {key!r} in {self.url}") from None
+        check_size(self, key, len(data), max_size)
+        return data
 
     def put(self, key: str, data: bytes | memoryview) -> None:
         with self._lock:

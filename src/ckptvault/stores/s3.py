@@ -40,7 +40,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from ..errors import InvalidArgumentError, ObjectNotFoundError, PermanentStorageError, RetryableStorageError
-from .base import ObjectInfo, Store
+from .base import ObjectInfo, Store, check_size
 from .s3_support import (
     MAX_SINGLE_PUT,
     NOT_FOUND_CODES,
@@ -125,14 +125,16 @@ class S3Store(Store):
         raise AssertionError("unreachable")
 
     # -- reads --------------------------------------------------------------------
-    def get(self, key: str) -> bytes:
-        return self._get_full(self._key(key))
+    def get(self, key: str, max_size: int | None = None) -> bytes:
+        return self._get_full(self._key(key), key, max_size)
 
-    def _get_full(self, full: str) -> bytes:
-        """The whole object: one ranged GET, then the rest of a large object in parallel ranges of one version."""
-        part = self.options.multipart_chunksize
+    def _get_full(self, full: str, key: str, max_size: int | None = None) -> bytes:
+        """The whole object: one ranged GET, then the rest of a large object in parallel ranges of one version
+        (none if it is larger than ``max_size``)."""
+        part = self.options.multipart_chunksize if max_size is None else min(self.options.multipart_chunksize, max_size)
         for _ in range(3):  # the object may be replaced between the first and later ranges: read it again
-            first, total, etag = self._retrying(full, lambda: self._read_range(full, 0, part))
+            first, total, etag = self._retrying(full, lambda: self._read_range(full, 0, max(part, 1)))
+            check_size(self, key, total, max_size)
             if total <= part:
                 return first
             rest = [(start, min(part, total - start)) for start in range(part, total, part)]
@@ -251,7 +253,7 @@ class S3Store(Store):
     def _holds(self, full: str, body: memoryview) -> bool:
         """True if the object now holds exactly ``body`` (our own earlier, retried attempt created it)."""
         try:
-            return self._get_full(full) == body
+            return self._get_full(full, full) == body
         except ObjectNotFoundError:
             return False
 
