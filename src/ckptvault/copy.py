@@ -28,10 +28,12 @@ from .errors import (
     CorruptDataError,
     InvalidArgumentError,
     ObjectNotFoundError,
+    OversizedObjectError,
     StepExistsError,
     StepNotFoundError,
 )
-from .format.chunk_object import CHUNKS_PREFIX, chunk_key
+from .format.chunk_object import CHUNKS_PREFIX, chunk_key, max_object_size
+from .format.keys import chunk_id_of_key
 from .format.manifest import manifest_key
 from .parallel import map_all
 from .stores import Store
@@ -96,9 +98,11 @@ def plan_copy(src: Vault, dst: Vault, steps: list[int] | None = None, *, overwri
     for step in chosen:
         if step not in committed:
             raise StepNotFoundError(step, src.url, committed)
+    _check_compatible(src, dst)
     plan = CopyPlan(src.url, dst.url)
-    have = {info.key: info.size for info in dst.store.list(CHUNKS_PREFIX)} if dst.descriptor() else {}
-    sizes = {info.key: info.size for info in src.store.list(CHUNKS_PREFIX)}
+    have = _chunk_sizes(dst.store) if dst.descriptor() else {}
+    sizes = _chunk_sizes(src.store)
+    largest = max_object_size(src.chunk_size())
     for item in map_all(src.pool, lambda s: _step_copy(src, s), chosen):
         if _holds_same_manifest(dst, item, overwrite):
             plan.skipped.append(item.step)
@@ -111,8 +115,26 @@ def plan_copy(src: Vault, dst: Vault, steps: list[int] | None = None, *, overwri
             elif key not in plan.send:
                 if key not in sizes:
                     raise CorruptChunkError(cid, f"it is missing from the source vault {src.url}", item.step)
+                if sizes[key] > largest:  # before anything is read or written
+                    raise CorruptChunkError(cid, f"the object is {sizes[key]} bytes, more than a chunk object of "
+                                                 f"{src.url} can be ({largest})", item.step)
                 plan.send[key] = sizes[key]
     return plan
+
+
+def _check_compatible(src: Vault, dst: Vault) -> None:
+    """Refuse a destination whose chunk size is smaller than the source's: chunks are copied byte for byte, so
+    they would be larger than the destination's readers accept."""
+    if dst.descriptor() is not None and dst.chunk_size() < src.chunk_size():
+        raise InvalidArgumentError(
+            f"the destination {dst.url} has chunk size {dst.chunk_size()}, smaller than the source's "
+            f"{src.chunk_size()}: chunks are copied byte for byte, so copy into a new vault or one whose chunk size "
+            f"is at least {src.chunk_size()}")
+
+
+def _chunk_sizes(store: Store) -> dict[str, int]:
+    """Key -> stored size of every chunk object in ``store`` (objects not named as chunks are not chunks)."""
+    return {info.key: info.size for info in store.list(CHUNKS_PREFIX) if chunk_id_of_key(info.key) is not None}
 
 
 def _step_copy(src: Vault, step: int) -> StepCopy:
@@ -146,12 +168,13 @@ def execute_copy(src: Vault, dst: Vault, plan: CopyPlan, *, overwrite: bool = Fa
         dst.store.put_if_absent(DESCRIPTOR_KEY, src.store.get(DESCRIPTOR_KEY))  # same chunk size, codec, hash
         dst.require()
     sent: set[str] = set()
+    largest = max_object_size(src.chunk_size())
     for item in plan.steps:
         keys = [chunk_key(cid) for cid in item.chunks]
         batch = dst.store.write_batch()  # the step's new chunks become durable together, before its manifest
         try:
             outcomes = map_all(src.pool, lambda key, batch=batch: _transfer(
-                src.store, dst.store, batch, key, key in plan.send and key not in sent, progress), keys)
+                src.store, dst.store, batch, key, key in plan.send and key not in sent, progress, largest), keys)
             batch.finish()
         except BaseException:
             batch.abandon()
@@ -178,8 +201,10 @@ def execute_copy(src: Vault, dst: Vault, plan: CopyPlan, *, overwrite: bool = Fa
     return result
 
 
-def _transfer(src: Store, dst: Store, batch: WriteBatch, key: str, send: bool, progress: Progress | None) -> int | None:
-    """Send one chunk object through ``batch`` (returns its size) or touch the destination's copy (returns None)."""
+def _transfer(src: Store, dst: Store, batch: WriteBatch, key: str, send: bool, progress: Progress | None,
+              max_size: int) -> int | None:
+    """Send one chunk object (of at most ``max_size`` bytes) through ``batch`` (returns its size) or touch the
+    destination's copy (returns None)."""
     if not send:
         try:
             dst.touch(key)  # the destination's gc must not take it before our manifest names it
@@ -187,7 +212,10 @@ def _transfer(src: Store, dst: Store, batch: WriteBatch, key: str, send: bool, p
         except ObjectNotFoundError:
             pass  # collected since the plan listed it: send it after all
     try:
-        data = src.get(key)
+        data = src.get(key, max_size)
+    except OversizedObjectError as exc:  # grew since the plan listed it
+        raise CorruptChunkError(key.rsplit("/", 1)[-1], f"the object is {exc.size} bytes, more than a chunk object "
+                                                        f"of {src.url} can be ({max_size})") from None
     except ObjectNotFoundError:
         raise CorruptChunkError(key.rsplit("/", 1)[-1], f"it is missing from the source vault {src.url}") from None
     batch.put_if_absent(key, data)

@@ -18,7 +18,7 @@ from .codecs import stage_from_spec
 from .codecs.planes import BytePlanes, assemble, plane_table, scratch, split_planes
 from .codecs.xplanes import PlaneDelta
 from .errors import CorruptChunkError, ObjectNotFoundError
-from .format.chunk_object import ChunkHeader, chunk_id, chunk_key, decode_payload, header_length, parse_object
+from .format.chunk_object import ChunkHeader, chunk_id, chunk_key, decode_payload, header_length, parse_object, read_object
 from .stores import Store
 
 #: bytes read first from a base: the fixed prefix, the JSON header and the plane table fit in it
@@ -30,13 +30,14 @@ def is_plane_delta(header: ChunkHeader) -> bool:
     return header.base is not None and len(header.codec) == 1 and header.codec[0].get("id") == PlaneDelta.id
 
 
-def base_planes_for_save(store: Store, base_id: str, typesize: int) -> list[np.ndarray]:
+def base_planes_for_save(store: Store, base_id: str, typesize: int, *, max_raw: int) -> list[np.ndarray]:
     """Every byte plane of full chunk ``base_id``, checked against its hash. The planes may view this
     thread's read buffer (``Store.get_transient``): use them before this thread reads a base again.
+    ``max_raw``: the vault's chunk size (a header claiming more is refused before decoding).
 
     Raises ObjectNotFoundError if it is gone, CorruptChunkError if it is damaged or is itself a delta.
     """
-    header, payload = parse_object(base_id, store.get_transient(chunk_key(base_id)))
+    header, payload = parse_object(base_id, read_object(store, base_id, max_raw, transient=True), max_raw=max_raw)
     if header.base is not None:
         raise CorruptChunkError(base_id, "it is itself a delta, so it cannot be a delta base")
     stage = _planes_stage(header)
@@ -51,29 +52,31 @@ def base_planes_for_save(store: Store, base_id: str, typesize: int) -> list[np.n
     return planes
 
 
-def read_plane_delta(store: Store, cid: str, header: ChunkHeader, payload: memoryview) -> memoryview:
-    """Raw bytes of plane-delta chunk ``cid``, verified. Raises CorruptChunkError naming the damaged object."""
+def read_plane_delta(store: Store, cid: str, header: ChunkHeader, payload: memoryview, max_raw: int) -> memoryview:
+    """Raw bytes of plane-delta chunk ``cid`` (``header`` as :func:`parse_object` checked it), verified. ``max_raw``:
+    the vault's chunk size, for the base's header. Raises CorruptChunkError naming the damaged object."""
     assert header.base is not None
     try:
         stage = PlaneDelta.from_spec(header.codec[0])
-        entries, _ = plane_table(payload, stage.typesize)
+        entries, _ = plane_table(payload, stage.typesize, header.raw)
     except (ValueError, KeyError, TypeError) as exc:
         raise CorruptChunkError(cid, f"payload does not decode ({type(exc).__name__}: {exc})") from None
     needed = [k for k, entry in enumerate(entries) if entry.xor]
-    base = _base_planes_by_range(store, cid, header.base, stage.typesize, needed, header.raw)
+    base = _base_planes_by_range(store, cid, header.base, stage.typesize, needed, header.raw, max_raw)
     try:
         data = stage.decode_against(payload, header.raw, base)
     except Exception as exc:
         raise CorruptChunkError(cid, f"payload does not decode ({type(exc).__name__}: {exc})") from None
     if chunk_id(data) != cid:
-        _blame_base(store, cid, header.base)
+        _blame_base(store, cid, header.base, max_raw)
         raise CorruptChunkError(cid, _MISMATCH)
     return data
 
 
 def _base_planes_by_range(store: Store, cid: str, base_id: str, typesize: int, needed: list[int],
-                          raw_size: int) -> dict[int, np.ndarray]:
-    """Planes ``needed`` of base ``base_id``, read with as few ranged reads as the base's layout allows."""
+                          raw_size: int, max_raw: int) -> dict[int, np.ndarray]:
+    """Planes ``needed`` of base ``base_id``, read with as few ranged reads as the base's layout allows; its plane
+    table is checked against ``raw_size`` first, so no range asked for exceeds the chunk."""
     if not needed:
         return {}
     key = chunk_key(base_id)
@@ -82,7 +85,7 @@ def _base_planes_by_range(store: Store, cid: str, base_id: str, typesize: int, n
         start = header_length(head) if len(head) >= 8 else 0
         if start + 1 + 4 * typesize > len(head):
             head = store.get_range(key, 0, start + 1 + 4 * typesize)
-        base_header, table = parse_object(base_id, head)
+        base_header, table = parse_object(base_id, head, max_raw=max_raw)
     if base_header.base is not None:
         raise CorruptChunkError(cid, f"its delta base {base_id} is itself a delta (chains are limited to 1)")
     if base_header.raw != raw_size:
@@ -90,9 +93,10 @@ def _base_planes_by_range(store: Store, cid: str, base_id: str, typesize: int, n
     stage = _planes_stage(base_header)
     with _blamed_on_base(cid, base_id):
         if stage is None or stage.typesize != typesize:  # stored raw or in another layout: read it whole
-            planes = split_planes(_decode_base(store, base_id, verify=False), typesize)[0]  # the delta's check covers it
+            planes = split_planes(_decode_base(store, base_id, False, max_raw), typesize)[0]  # the delta's check covers it
             return {k: planes[k] for k in needed}
-        return _ranged_planes(store, key, start, stage, plane_table(table, typesize)[0], needed, raw_size // typesize)
+        entries = plane_table(table, typesize, raw_size)[0]
+        return _ranged_planes(store, key, start, stage, entries, needed, raw_size // typesize)
 
 
 def _ranged_planes(store: Store, key: str, payload_start: int, stage: BytePlanes, entries: list, needed: list[int],
@@ -106,15 +110,15 @@ def _ranged_planes(store: Store, key: str, payload_start: int, stage: BytePlanes
                                   entries[k], plane_len) for k in needed}
 
 
-def _decode_base(store: Store, base_id: str, verify: bool) -> bytes | memoryview:
-    header, payload = parse_object(base_id, store.get(chunk_key(base_id)))
+def _decode_base(store: Store, base_id: str, verify: bool, max_raw: int) -> bytes | memoryview:
+    header, payload = parse_object(base_id, read_object(store, base_id, max_raw), max_raw=max_raw)
     return decode_payload(base_id, header, payload, verify=verify)
 
 
-def _blame_base(store: Store, cid: str, base_id: str) -> None:
+def _blame_base(store: Store, cid: str, base_id: str, max_raw: int) -> None:
     """After a delta failed its hash check: raise naming the base if the base is the damaged object."""
     with _blamed_on_base(cid, base_id):
-        _decode_base(store, base_id, verify=True)
+        _decode_base(store, base_id, True, max_raw)
 
 
 @contextmanager

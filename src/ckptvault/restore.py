@@ -83,7 +83,7 @@ def read_into(vault: Vault, manifest: dict[str, Any], dests: dict[Dest, memoryvi
         first_key = jobs[chunk][0][0]
         first = tensors[first_key[1] if isinstance(first_key, tuple) else first_key]["path"]
         try:
-            raw = memoryview(vault.read_chunk(cid)).cast("B")
+            raw = memoryview(vault.read_chunk(cid, expected_raw=chunks[chunk]["raw"])).cast("B")
         except ObjectNotFoundError:
             raise CorruptChunkError(cid, "the chunk object is missing", manifest["step"], first) from None
         except CorruptChunkError as exc:

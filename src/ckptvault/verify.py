@@ -41,7 +41,7 @@ def verify_steps(vault: Vault, steps: list[int], progress: Callable[[int], None]
 
     def check(cid: str) -> str | None:
         try:
-            vault.read_chunk(cid)
+            vault.read_chunk(cid, expected_raw=sizes[cid])
             return None
         except ObjectNotFoundError:
             return f"chunk {cid} is missing"

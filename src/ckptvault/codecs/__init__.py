@@ -15,6 +15,7 @@ is stored raw, so no chunk grows by more than its small header.
 from __future__ import annotations
 
 import re
+from typing import Any
 
 from ..errors import InvalidArgumentError
 from .base import BytesStage, Spec, stage_from_spec
@@ -25,12 +26,14 @@ from .xplanes import PlaneDelta
 from .zstd import Zstd
 
 __all__ = [
-    "CODEC_NAMES", "BytePlanes", "BytesStage", "PlaneDelta", "Shuffle", "Spec", "chain_for", "decode_chain", "encode_chain",
-    "stage_from_spec",
+    "CODEC_NAMES", "MAX_STAGES", "BytePlanes", "BytesStage", "PlaneDelta", "Shuffle", "Spec", "chain_for", "check_chain",
+    "decode_chain", "encode_chain", "stage_from_spec",
 ]
 
 CODEC_NAMES = ("zstd", "lz4", "none", "fast")
 DEFAULT_CODEC = "zstd"
+#: the most stages a chunk's chain may hold: every writer so far chains at most one (planes over zstd is one)
+MAX_STAGES = 4
 
 
 def validate_codec_name(name: str) -> str:
@@ -60,6 +63,23 @@ def encode_chain(raw: memoryview, stages: list[BytesStage]) -> tuple[list[Spec],
     if stages and len(data) < len(raw):
         return [s.spec() for s in stages], data
     return [], raw
+
+
+def check_chain(specs: Any) -> None:
+    """Check a chunk header's codec chain without decoding anything: a list of at most ``MAX_STAGES`` stage
+    specs that :func:`stage_from_spec` accepts. Raises TypeError or ValueError naming the stage and setting,
+    FormatVersionError for an unknown stage id."""
+    if not isinstance(specs, list):
+        raise TypeError(f"must be a list of stage specs, got {type(specs).__name__}")
+    if len(specs) > MAX_STAGES:
+        raise ValueError(f"holds {len(specs)} stages, more than {MAX_STAGES}")
+    for i, spec in enumerate(specs):
+        try:
+            stage_from_spec(spec)
+        except TypeError as exc:
+            raise TypeError(f"stage {i}: {exc}") from None
+        except ValueError as exc:
+            raise ValueError(f"stage {i}: {exc}") from None
 
 
 def decode_chain(payload: memoryview, specs: list[Spec], raw_size: int) -> bytes | memoryview:

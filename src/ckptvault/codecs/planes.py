@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from .base import BytesStage, Spec, stage_from_spec
+from .base import BytesStage, Spec, int_setting, stage_from_spec
 
 _kernels: Any = None  # the plane_kernels module once imported, False where numba is missing
 
@@ -83,6 +83,8 @@ PIECES = 8
 KEEP_BELOW = 0.95
 
 _UINT = {2: np.uint16, 4: np.uint32, 8: np.uint64}
+#: the element sizes a planes payload holds: its table counts the planes in one byte
+MAX_TYPESIZE = 255
 
 Buffer = bytes | memoryview | np.ndarray
 
@@ -134,10 +136,12 @@ def split_planes(data: bytes | memoryview, typesize: int, out: np.ndarray | None
     return planes, arr[whole:]
 
 
-def plane_table(payload: bytes | memoryview, typesize: int) -> tuple[list[PlaneEntry], int]:
+def plane_table(payload: bytes | memoryview, typesize: int, raw_size: int | None = None) -> tuple[list[PlaneEntry], int]:
     """The entries of a planes payload's table, and where the tail starts. Needs only the table's bytes.
 
-    Raises ValueError if the table is malformed (wrong plane count).
+    With ``raw_size`` (the chunk's raw length) every plane is checked to fit the chunk: a plane stored raw holds
+    exactly ``raw_size // typesize`` bytes and a compressed one no more (it is kept only if it shrank), so no
+    reader is sent to read or decode more than the chunk holds. Raises ValueError if the table is malformed.
     """
     if len(payload) < 1 + 4 * typesize:
         raise ValueError(f"payload of {len(payload)} bytes is too short for a {typesize}-plane table")
@@ -145,20 +149,26 @@ def plane_table(payload: bytes | memoryview, typesize: int) -> tuple[list[PlaneE
     if count != typesize:
         raise ValueError(f"payload has {count} planes, spec says {typesize}")
     sizes = struct.unpack_from(f"<{count}I", payload, 1)
+    plane_len = None if raw_size is None else raw_size // typesize
     entries, position = [], 1 + 4 * count
-    for size in sizes:
-        length = size & _LENGTH
-        entries.append(PlaneEntry(position, length, bool(size & _COMPRESSED), bool(size & XOR_BASE)))
-        position += length
+    for k, size in enumerate(sizes):
+        entry = PlaneEntry(position, size & _LENGTH, bool(size & _COMPRESSED), bool(size & XOR_BASE))
+        if plane_len is not None and (entry.length > plane_len or (not entry.compressed and entry.length != plane_len)):
+            kind = "compressed" if entry.compressed else "raw"
+            raise ValueError(f"plane {k} is stored as {entry.length} {kind} bytes, but the chunk's planes hold {plane_len}")
+        entries.append(entry)
+        position += entry.length
     return entries, position
 
 
 class BytePlanes(BytesStage):
     id = "planes"
+    settings = frozenset({"typesize", "inner"})
+    takes_inner = True
 
     def __init__(self, typesize: int, inner: BytesStage) -> None:
-        if not 1 <= typesize <= 255:
-            raise ValueError("typesize must be 1..255")
+        if not 1 <= typesize <= MAX_TYPESIZE:
+            raise ValueError(f"typesize must be 1..{MAX_TYPESIZE}")
         self.typesize, self.inner = typesize, inner
 
     def encode(self, data: memoryview) -> bytes:
@@ -213,8 +223,11 @@ class BytePlanes(BytesStage):
         return packed if len(packed) < KEEP_BELOW * len(plane) else None
 
     def decode_planes(self, data: memoryview, out_size: int) -> tuple[list[np.ndarray], list[PlaneEntry], memoryview]:
-        """Decoded planes, the table, and the tail bytes. Planes stored raw are read-only views of ``data``."""
-        entries, tail_start = plane_table(data, self.typesize)
+        """Decoded planes, the table, and the tail bytes. Planes stored raw are read-only views of ``data``.
+        Raises ValueError if the table does not fit ``data`` and ``out_size`` (before decoding any plane)."""
+        entries, tail_start = plane_table(data, self.typesize, out_size)
+        if tail_start > len(data):
+            raise ValueError(f"plane table describes {tail_start} bytes, the payload holds {len(data)}")
         plane_len = out_size // self.typesize
         planes = [self.decode_plane(k, data[e.offset : e.offset + e.length], e, plane_len) for k, e in enumerate(entries)]
         tail = data[tail_start:]
@@ -244,7 +257,9 @@ class BytePlanes(BytesStage):
 
     @classmethod
     def from_spec(cls, spec: Spec) -> BytePlanes:
-        return cls(int(spec["typesize"]), stage_from_spec(spec["inner"]))
+        if "inner" not in spec:
+            raise ValueError(f"stage {cls.id!r} lacks its setting 'inner'")
+        return cls(int_setting(spec, "typesize", 1, MAX_TYPESIZE), stage_from_spec(spec["inner"], inner=True))
 
 
 def sample_pieces(n: int) -> list[slice]:

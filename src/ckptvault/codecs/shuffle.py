@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from .base import BytesStage, Spec
+from .base import BytesStage, Spec, int_setting
+from .planes import MAX_TYPESIZE
 
 
 class Shuffle(BytesStage):
     id = "shuffle"
+    settings = frozenset({"typesize"})
 
     def __init__(self, typesize: int) -> None:
         if typesize < 1:
@@ -32,6 +34,8 @@ class Shuffle(BytesStage):
         return memoryview(out)
 
     def decode(self, data: memoryview, out_size: int) -> bytes | memoryview:
+        if len(data) != out_size:  # a shuffle keeps the length: refused before the output is allocated
+            raise ValueError(f"shuffled payload of {len(data)} bytes, {out_size} expected")
         if self.typesize == 1:
             return data
         arr = np.frombuffer(data, dtype=np.uint8)
@@ -46,4 +50,4 @@ class Shuffle(BytesStage):
 
     @classmethod
     def from_spec(cls, spec: Spec) -> Shuffle:
-        return cls(int(spec["typesize"]))
+        return cls(int_setting(spec, "typesize", 1, MAX_TYPESIZE))

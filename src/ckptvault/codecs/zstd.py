@@ -40,7 +40,7 @@ from typing import Any, Literal
 
 import zstandard
 
-from .base import BytesStage, Spec
+from .base import BytesStage, Spec, int_setting
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +56,9 @@ SPARSE_BELOW = 0.1
 #: data whose sample compressed to at least this fraction has no runs worth a search: level 1 writes it as
 #: Huffman-coded literals only (every sampled 1 MiB plane of W1 above 0.19 came out smaller or within 2.5%)
 LITERALS_FROM = 0.2
+#: the compression levels zstd takes (``ZSTD_minCLevel()`` .. ``ZSTD_maxCLevel()``); a reader needs no level, but a
+#: spec outside them was not written by zstd's levels
+MIN_LEVEL, MAX_LEVEL = -(1 << 17), zstandard.MAX_COMPRESSION_LEVEL
 
 
 def _cffi_lib() -> Any:
@@ -187,6 +190,7 @@ def _decompressor() -> zstandard.ZstdDecompressor:
 
 class Zstd(BytesStage):
     id = "zstd"
+    settings = frozenset({"level"})
 
     def __init__(self, level: int = 1) -> None:
         self.level = level
@@ -200,11 +204,17 @@ class Zstd(BytesStage):
         return _compressor(self.level, _search_for(sample_ratio)).compress(data)
 
     def decode(self, data: memoryview, out_size: int) -> bytes:
-        return _decompressor().decompress(data, max_output_size=out_size)
+        """One zstd frame of ``out_size`` bytes, nothing after it. ``zstandard`` allocates the size a frame
+        declares whatever ``max_output_size`` says, so a declared size other than ``out_size`` is refused
+        first; a frame that declares none is decoded into ``out_size`` bytes at most."""
+        declared = zstandard.frame_content_size(data)  # -1: not declared
+        if declared not in (-1, out_size):
+            raise ValueError(f"zstd frame declares {declared} bytes, {out_size} expected")
+        return _decompressor().decompress(data, max_output_size=out_size, allow_extra_data=False)
 
     def spec(self) -> Spec:
         return {"id": self.id, "level": self.level}
 
     @classmethod
     def from_spec(cls, spec: Spec) -> Zstd:
-        return cls(int(spec.get("level", 1)))
+        return cls(int_setting(spec, "level", MIN_LEVEL, MAX_LEVEL, default=1))
