@@ -328,10 +328,10 @@ class ReadWatchingStore(LocalStore):
 
     before_get: Any = None
 
-    def get(self, key: str) -> bytes:
+    def get(self, key: str, max_size: int | None = None) -> bytes:
         if self.before_get:
             self.before_get(key)
-        return super().get(key)
+        return super().get(key, max_size)
 
 
 def test_into_targets_read_through_a_temporary_are_filled_while_later_chunks_are_read(tmp_path: Path) -> None:

@@ -33,7 +33,8 @@ from .delta_io import base_planes_for_save
 from .errors import CorruptChunkError, InvalidArgumentError, ObjectNotFoundError, SaveError, StepExistsError
 from .format import FORMAT_VERSION
 from .format.chunk_object import CHUNKS_PREFIX, ChunkHeader, chunk_id, chunk_key, object_parts
-from .format.manifest import MANIFEST_FORMAT, encode_manifest, manifest_key
+from .format.manifest import encode_manifest, manifest_key
+from .format.schema import MANIFEST_FORMAT, MAX_DEPTH, MAX_STEP, too_deep
 from .guard import ManifestGuard
 from .layout import ChunkPlan, LeafSpec, Piece, plan_chunks
 from .parallel import map_all
@@ -201,7 +202,8 @@ class _ChunkWriter:
                 self.guard.protect(self.vault.store, base.id)  # a base must outlive this save, like a reused chunk
                 base_planes = self._base_planes(base.id, planes.typesize)
                 parts, uses_base = stage.encode_against(
-                    raw, base_planes, lambda: base_planes_for_save(self.vault.store, base.id, planes.typesize))
+                    raw, base_planes, lambda: base_planes_for_save(self.vault.store, base.id, planes.typesize,
+                                                                   max_raw=self.vault.chunk_size()))
             except (ObjectNotFoundError, CorruptChunkError) as exc:
                 log.warning("cannot use delta base %s (%s); storing the chunk in full", base.id, exc)
             else:
@@ -216,7 +218,7 @@ class _ChunkWriter:
         delta needs it there)."""
         cached = None if self.cache is None else self.cache.planes(self.keyframe_step, base_id, typesize)
         if cached is None:
-            return base_planes_for_save(self.vault.store, base_id, typesize)
+            return base_planes_for_save(self.vault.store, base_id, typesize, max_raw=self.vault.chunk_size())
         self.vault.store.stat(chunk_key(base_id))  # no touch checked that it is there (guard.py)
         return cached
 
@@ -379,8 +381,9 @@ def _chunk_count_estimate(store: Store) -> int:
 
 
 def check_step(step: Any) -> int:
-    if type(step) is not int or step < 0:
-        raise InvalidArgumentError(f"step must be a non-negative int, got {step!r}")
+    """``step`` if it is an int a manifest key can name (20 decimal digits), else InvalidArgumentError."""
+    if type(step) is not int or not 0 <= step <= MAX_STEP:
+        raise InvalidArgumentError(f"step must be an int from 0 to {MAX_STEP} (20 digits), got {step!r}")
     return step
 
 
@@ -390,6 +393,8 @@ def json_fields(values: dict[str, Any] | None, what: str) -> dict[str, Any]:
     if not isinstance(values, dict) or not all(isinstance(k, str) for k in values):
         raise InvalidArgumentError(f"{what} must be a dict with str keys, got {type(values).__name__}")
     cleaned = {k: (float(v) if _is_number_like(v) else v) for k, v in values.items()}
+    if too_deep(cleaned):  # readers refuse deeper manifests (format/schema.py)
+        raise InvalidArgumentError(f"{what} is nested more than {MAX_DEPTH} levels deep; flatten it")
     try:
         json.dumps(cleaned, allow_nan=False)
     except (TypeError, ValueError) as exc:

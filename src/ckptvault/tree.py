@@ -36,7 +36,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from .errors import PickleNotAllowedError, UnsupportedObjectError
+from .errors import InvalidArgumentError, PickleNotAllowedError, UnsupportedObjectError
+from .format.schema import MAX_DEPTH
 
 Node = dict[str, Any]
 
@@ -63,9 +64,12 @@ class Flattener:
         self.allow_pickle = allow_pickle
         self.leaves: list[Leaf] = []
         self._seen_tensors: dict[tuple[Any, ...], int] = {}
+        self._depth = 0
 
     def flatten(self, value: Any, path: str = "") -> Node:
         kind = type(value)
+        if kind in (dict, collections.OrderedDict, list, tuple):
+            return self._container(value, path)
         if value is None:
             return {"none": None}
         if kind is bool:
@@ -84,12 +88,21 @@ class Flattener:
             return self._ndarray(value, path)
         if isinstance(value, np.generic) and value.dtype.kind in NUMPY_KINDS:
             return {"npscalar": self._ndarray(np.asarray(value), path)["ndarray"]}
-        if kind in (dict, collections.OrderedDict):
-            return self._dict(value, path)
-        if kind in (list, tuple):
-            items = [self.flatten(v, join_path(path, i)) for i, v in enumerate(value)]
-            return {kind.__name__: items}
         return self._fallback(value, path)
+
+    def _container(self, value: Any, path: str) -> Node:
+        """A dict, OrderedDict, list or tuple, at most MAX_DEPTH containers deep (readers refuse deeper trees)."""
+        if self._depth >= MAX_DEPTH:
+            shown = path if len(path) <= 80 else f"{path[:77]}..."
+            raise InvalidArgumentError(f"the state is nested more than {MAX_DEPTH} containers deep at key path "
+                                       f"{shown!r}; ckptvault stores at most {MAX_DEPTH} levels: flatten it")
+        self._depth += 1
+        try:
+            if isinstance(value, dict):
+                return self._dict(value, path)
+            return {type(value).__name__: [self.flatten(v, join_path(path, i)) for i, v in enumerate(value)]}
+        finally:
+            self._depth -= 1
 
     def _dict(self, value: dict[Any, Any], path: str) -> Node:
         items = []

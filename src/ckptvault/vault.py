@@ -27,24 +27,21 @@ from .delta_io import is_plane_delta, read_plane_delta
 from .errors import (
     CorruptChunkError,
     CorruptManifestError,
-    FormatVersionError,
     InvalidArgumentError,
     ObjectNotFoundError,
     StepNotFoundError,
     VaultNotFoundError,
 )
 from .format import FORMAT_VERSION
-from .format.chunk_object import chunk_id, chunk_key, decode_payload, header_length, parse_object
-from .format.manifest import decode_manifest, manifest_key, step_of_key
+from .format.chunk_object import chunk_id, chunk_key, decode_payload, header_length, parse_object, read_object
+from .format.manifest import decode_manifest, manifest_key, parse_json, step_of_key
+from .format.schema import MAX_CHUNK_SIZE, MIN_CHUNK_SIZE, VAULT_FORMAT, check_descriptor
 from .stores import Store, open_store
 
 log = logging.getLogger(__name__)
 
 DESCRIPTOR_KEY = "vault.json"
-VAULT_FORMAT = "ckptvault.vault"
 DEFAULT_CHUNK_SIZE = 4 << 20
-MIN_CHUNK_SIZE = 64 << 10
-MAX_CHUNK_SIZE = 256 << 20
 
 
 def default_workers() -> int:
@@ -124,25 +121,31 @@ class Vault:
         except ObjectNotFoundError:
             self.require()
             raise StepNotFoundError(step, self.url, self.steps()) from None
-        manifest = decode_manifest(data, f"{manifest_key(step)} in {self.url}")
-        if manifest.get("step") != step:
-            raise CorruptManifestError(f"manifest {manifest_key(step)} names step {manifest.get('step')}")
-        return manifest
+        return decode_manifest(data, f"{manifest_key(step)} in {self.url}", step, self.require()["chunk_size"])
 
-    def read_chunk(self, cid: str) -> bytes | memoryview:
+    def chunk_size(self) -> int:
+        """The vault's chunk size: no chunk of it holds more raw bytes, so no reader decodes more per chunk."""
+        return int(self.require()["chunk_size"])
+
+    def read_chunk(self, cid: str, *, expected_raw: int | None = None) -> bytes | memoryview:
         """Raw bytes of a chunk, verified against its hash; a delta is applied to its base.
 
         Reads one object, or two for a delta (whose base must be a full chunk:
-        restore chains are never longer); of a plane delta's base, only the planes it XORs. Raises CorruptChunkError,
+        restore chains are never longer); of a plane delta's base, only the planes it XORs. A header whose
+        ``raw`` is above :meth:`chunk_size` or differs from ``expected_raw`` (the raw length the manifest's chunk
+        table gives) is refused before anything is decoded. Raises CorruptChunkError,
         ObjectNotFoundError if the chunk itself is missing.
         """
-        header, payload = parse_object(cid, self.store.get(chunk_key(cid)))
+        max_raw = self.chunk_size()
+        header, payload = parse_object(cid, read_object(self.store, cid, max_raw), max_raw=max_raw,
+                                       expected_raw=expected_raw)
         if is_plane_delta(header):  # reads only the base planes it XORs
-            return read_plane_delta(self.store, cid, header, payload)
+            return read_plane_delta(self.store, cid, header, payload, max_raw)
         base_raw = None
         if header.base is not None:
             try:
-                base_header, base_payload = parse_object(header.base, self.store.get(chunk_key(header.base)))
+                base_header, base_payload = parse_object(header.base, read_object(self.store, header.base, max_raw),
+                                                         max_raw=max_raw)
             except ObjectNotFoundError:
                 raise CorruptChunkError(cid, f"its delta base {header.base} is missing") from None
             if base_header.base is not None:
@@ -161,7 +164,10 @@ class Vault:
         return decode_payload(cid, header, payload)
 
     def chunk_base(self, cid: str) -> str | None:
-        """The delta base of a stored chunk object (None for a full chunk), from its header alone."""
+        """The delta base of a stored chunk object (None for a full chunk), from its header alone: one read of
+        the first KiB (a header is about 150 bytes), a second only for a longer header, at most its prefix and
+        header (64 KiB); parses only those, decodes nothing. Raises CorruptChunkError as :meth:`read_chunk` does
+        for a header."""
         key = chunk_key(cid)
         prefix = self.store.get_range(key, 0, 1024)
         if len(prefix) < 8:
@@ -169,7 +175,7 @@ class Vault:
         needed = header_length(prefix)
         if needed > len(prefix):
             prefix = self.store.get_range(key, 0, needed)
-        return parse_object(cid, prefix)[0].base
+        return parse_object(cid, prefix[:needed], max_raw=self.chunk_size())[0].base
 
     # -- workers -----------------------------------------------------------
     @property
@@ -188,15 +194,5 @@ class Vault:
 
 
 def _parse_descriptor(raw: bytes, url: str) -> dict[str, Any]:
-    try:
-        desc = json.loads(raw)
-    except ValueError:
-        raise CorruptManifestError(f"{DESCRIPTOR_KEY} in {url} is not valid JSON") from None
-    if not isinstance(desc, dict) or desc.get("format") != VAULT_FORMAT:
-        raise CorruptManifestError(f"{DESCRIPTOR_KEY} in {url} does not describe a ckptvault vault")
-    if int(desc.get("version", 0)) > FORMAT_VERSION:
-        raise FormatVersionError(
-            f"the vault at {url} uses format version {desc['version']}; this ckptvault reads up to "
-            f"{FORMAT_VERSION}: upgrade ckptvault"
-        )
-    return desc
+    what = f"{DESCRIPTOR_KEY} in {url}"
+    return check_descriptor(parse_json(raw, what, CorruptManifestError), what)

@@ -16,12 +16,10 @@ from typing import Any
 
 import blake3
 
-from ..errors import CorruptManifestError, FormatVersionError
-from . import FORMAT_VERSION
+from ..errors import CorruptManifestError
+from .keys import step_of_manifest_key
+from .schema import MAX_CHUNK_SIZE, check_manifest
 
-MANIFEST_FORMAT = "ckptvault.manifest"
-#: optional features a manifest may declare in "requires"; a reader refuses any it does not know
-KNOWN_FEATURES = frozenset({"lossy", "xplanes"})
 _PREFIX = b'{"blake3":"'
 _MIDDLE = b'","manifest":'
 _BODY_START = len(_PREFIX) + 64 + len(_MIDDLE)
@@ -33,12 +31,8 @@ def manifest_key(step: int) -> str:
 
 
 def step_of_key(key: str) -> int | None:
-    """The step a manifest key names, or None for any other key."""
-    name = key.rsplit("/", 1)[-1]
-    if not key.startswith("manifests/") or not name.endswith(".json"):
-        return None
-    stem = name[: -len(".json")]
-    return int(stem) if stem.isdigit() else None
+    """The step a manifest key names (exactly ``manifests/<20 ASCII digits>.json``), or None for any other key."""
+    return step_of_manifest_key(key)
 
 
 def encode_manifest(body: dict[str, Any]) -> bytes:
@@ -48,8 +42,10 @@ def encode_manifest(body: dict[str, Any]) -> bytes:
     return b"".join((_PREFIX, digest, _MIDDLE, data, b"}"))
 
 
-def decode_manifest(data: bytes, where: str) -> dict[str, Any]:
-    """Verify and parse a manifest; raises CorruptManifestError or FormatVersionError."""
+def decode_manifest(data: bytes, where: str, step: int | None = None,
+                    chunk_size: int = MAX_CHUNK_SIZE) -> dict[str, Any]:
+    """Verify, parse and check a manifest (``format.schema``) of ``step`` (None: any) in a vault of ``chunk_size``;
+    ``where`` names it in messages. Raises CorruptManifestError or FormatVersionError."""
     if len(data) <= _BODY_START or not data.startswith(_PREFIX) or data[_BODY_START - len(_MIDDLE) : _BODY_START] != _MIDDLE:
         raise CorruptManifestError(f"manifest {where} is truncated or not a ckptvault manifest ({len(data)} bytes)")
     if not data.endswith(b"}"):
@@ -58,20 +54,25 @@ def decode_manifest(data: bytes, where: str) -> dict[str, Any]:
     expected = data[len(_PREFIX) : len(_PREFIX) + 64].decode("ascii", "replace")
     if blake3.blake3(body).hexdigest() != expected:
         raise CorruptManifestError(f"manifest {where} fails its BLAKE3 checksum: it was damaged after writing")
+    parsed = parse_json(body, f"manifest {where}", CorruptManifestError)
+    return check_manifest(parsed, f"manifest {where}", step, chunk_size)
+
+
+def parse_json(data: bytes, what: str, error: type[Exception]) -> Any:
+    """Strict JSON (no NaN or Infinity) of a file named ``what`` in messages; ``error`` for anything unreadable,
+    nesting too deep for the parser included."""
     try:
-        parsed = json.loads(body)
-    except ValueError as exc:
-        raise CorruptManifestError(f"manifest {where} is not valid JSON: {exc}") from None
-    if parsed.get("format") != MANIFEST_FORMAT:
-        raise CorruptManifestError(f"manifest {where} has format {parsed.get('format')!r}")
-    if int(parsed.get("version", 0)) > FORMAT_VERSION:
-        raise FormatVersionError(
-            f"manifest {where} uses format version {parsed['version']}; this ckptvault reads up to "
-            f"{FORMAT_VERSION}: upgrade ckptvault"
-        )
-    unknown = sorted(set(parsed.get("requires", ())) - KNOWN_FEATURES)
-    if unknown:
-        raise FormatVersionError(
-            f"manifest {where} requires features {unknown} this ckptvault does not know: upgrade ckptvault"
-        )
-    return parsed
+        return json.loads(data, parse_constant=_refuse_constant)
+    except RecursionError:
+        raise error(f"{what} is nested too deeply to be a ckptvault file") from None
+    except ValueError as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        raise error(f"{what} is not valid JSON: {_first_line(exc)}") from None
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _first_line(exc: Exception) -> str:
+    text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    return text if len(text) <= 200 else text[:197] + "..."
