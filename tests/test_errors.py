@@ -147,7 +147,7 @@ def test_future_vault_descriptor(saved: tuple[str, Any, Any]) -> None:
 def test_future_manifest_version(saved: tuple[str, Any, Any]) -> None:
     url = saved[0]
     path = _manifest_path(url, 5)
-    body = decode_manifest(path.read_bytes(), "test")
+    body = decode_manifest(path.read_bytes(), "test").to_json()
     body["version"] = 7
     path.write_bytes(encode_manifest(body))  # valid checksum: only the version is new
     with ckptvault.CheckpointManager(url) as mgr, pytest.raises(
@@ -446,7 +446,7 @@ def test_manifest_requiring_an_unknown_feature_is_refused(tmp_path: Path) -> Non
     url = str(tmp_path / "v")
     ckptvault.save({"w": torch.arange(10.0)}, url, step=1)
     path = tmp_path / "v" / "manifests" / f"{1:020d}.json"
-    body = decode_manifest(path.read_bytes(), "test")
+    body = decode_manifest(path.read_bytes(), "test").to_json()
     body["requires"] = ["lossy", "sparse-v9"]
     path.write_bytes(encode_manifest(body))
     with pytest.raises(FormatVersionError, match=r"field requires names features \['sparse-v9'\].*upgrade ckptvault"):

@@ -44,7 +44,7 @@ def referenced(root: Path) -> set[str]:
     """Chunk ids the manifests reach, delta bases followed through chunk headers (independent of ckptvault.gc)."""
     todo = []
     for path in manifest_files(root):
-        body = decode_manifest(path.read_bytes(), str(path))
+        body = decode_manifest(path.read_bytes(), str(path)).to_json()
         for entry in body["chunks"]:
             todo.append(entry["id"])
             if entry.get("base"):
@@ -154,7 +154,7 @@ def test_bases_named_only_in_chunk_headers_are_followed(vault: Path) -> None:
     c = put_stray_chunk(vault, b"C" * 1000)
     b = put_stray_chunk(vault, b"B" * 1000, base=c)
     unrelated = put_stray_chunk(vault, b"U" * 1000)
-    body = decode_manifest((vault / manifest_key(3)).read_bytes(), "step 3")
+    body = decode_manifest((vault / manifest_key(3)).read_bytes(), "step 3").to_json()
     body["step"] = 50
     body["chunks"].append({"id": body["chunks"][0]["id"], "raw": 1, "stored": 1, "new": False, "base": b})
     (vault / manifest_key(50)).write_bytes(encode_manifest(body))

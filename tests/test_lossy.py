@@ -98,7 +98,7 @@ def codec_of(record: dict[str, Any]) -> str:
 # -- an independent decoder of what the vault stored ------------------------------------------------------
 def stored_bytes(mgr: CheckpointManager, manifest: dict[str, Any], key: Any, nbytes: int) -> np.ndarray:
     buf = np.empty(nbytes, np.uint8)
-    read_into(mgr.vault, manifest, {key: memoryview(buf)})
+    read_into(mgr.vault, mgr.vault.read_manifest(manifest["step"]), {key: memoryview(buf)})
     return buf
 
 

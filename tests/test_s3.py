@@ -614,10 +614,10 @@ def test_a_manager_saves_and_restores_over_https(rgw: Gateway) -> None:
 def test_new_vaults_on_s3_use_16_mib_chunks_unless_told(rgw: Gateway, s3_url: str) -> None:
     with CheckpointManager(s3_url + "/default", storage_options=rgw.options()) as mgr:
         mgr.save(1, {"x": torch.zeros(10)}).wait()
-        assert mgr.vault.require()["chunk_size"] == 16 << 20
+        assert mgr.vault.require().chunk_size == 16 << 20
     with CheckpointManager(s3_url + "/chosen", storage_options=rgw.options(), chunk_size=1 << 20) as mgr:
         mgr.save(1, {"x": torch.zeros(10)}).wait()
-        assert mgr.vault.require()["chunk_size"] == 1 << 20
+        assert mgr.vault.require().chunk_size == 1 << 20
 
 
 # -- the seed's example workflow as one command -------------------------------------------------

@@ -139,8 +139,8 @@ def _chunk_sizes(store: Store) -> dict[str, int]:
 
 def _step_copy(src: Vault, step: int) -> StepCopy:
     manifest = src.read_manifest(step)  # verifies the checksum before anything is copied
-    needed = dict.fromkeys(c["id"] for c in manifest["chunks"])
-    needed.update(dict.fromkeys(c["base"] for c in manifest["chunks"] if c.get("base")))
+    needed = dict.fromkeys(c.id for c in manifest.chunks)
+    needed.update(dict.fromkeys(c.base for c in manifest.chunks if c.base))
     return StepCopy(step, src.store.get(manifest_key(step)), list(needed))
 
 

@@ -39,6 +39,7 @@ from .argcheck import check_kind
 from .codecs.planes import scratch, split_planes
 from .errors import InvalidArgumentError, ObjectNotFoundError, StepNotFoundError, VaultError
 from .format.manifest import manifest_key
+from .format.records import LossyInfo, Manifest, TensorRecord
 from .guard import ManifestGuard
 from .layout import ChunkPlan
 from .parallel import map_all
@@ -66,15 +67,15 @@ class DeltaPolicy:
         if not 0 < self.growth:
             raise InvalidArgumentError(f"keyframe_growth must be > 0, got {self.growth}")
 
-    def needs_keyframe(self, latest: dict[str, Any] | None, keyframe: dict[str, Any] | None) -> bool:
+    def needs_keyframe(self, latest: Manifest | None, keyframe: Manifest | None) -> bool:
         """True if the next checkpoint should be a keyframe, given the latest manifest and its keyframe's."""
         if not self.enabled or latest is None or keyframe is None:
             return True
-        if latest.get("since_keyframe", 0) + 1 >= self.every:
+        if latest.since_keyframe + 1 >= self.every:
             return True
-        if latest is keyframe or latest["step"] == keyframe["step"]:
+        if latest is keyframe or latest.step == keyframe.step:
             return False
-        return latest["added_bytes"] > self.growth * max(keyframe["stored_bytes"], 1)
+        return latest.added_bytes > self.growth * max(keyframe.stored_bytes, 1)
 
 
 class KeyframeCache:
@@ -193,7 +194,7 @@ class DeltaContext:
     no touch (``guard.py``). ``cache``: the saver's keyframe cache, if it keeps one.
     """
 
-    keyframe: dict[str, Any] | None = None
+    keyframe: Manifest | None = None
     known_bases: dict[str, str | None] = field(default_factory=dict)
     since_keyframe: int = 0
     cache: KeyframeCache | None = None
@@ -201,7 +202,7 @@ class DeltaContext:
 
     @property
     def keyframe_step(self) -> int | None:
-        return None if self.keyframe is None else self.keyframe["step"]
+        return None if self.keyframe is None else self.keyframe.step
 
 
 def delta_context(vault: Vault, policy: DeltaPolicy, step: int) -> DeltaContext:
@@ -218,19 +219,18 @@ def delta_context(vault: Vault, policy: DeltaPolicy, step: int) -> DeltaContext:
     watched: dict[str, tuple[int, float]] = {}
     try:
         latest = _read_watched(vault, earlier[-1], watched)
-        key_step = latest.get("keyframe_step", latest["step"])
-        keyframe = latest if key_step == latest["step"] else _read_watched(vault, key_step, watched)
+        keyframe = latest if latest.keyframe == latest.step else _read_watched(vault, latest.keyframe, watched)
     except VaultError as exc:
         log.info("writing a keyframe: no usable previous keyframe (%s)", exc)
         return DeltaContext()
-    known = {c["id"]: c.get("base") for m in (keyframe, latest) for c in m["chunks"]}
+    known = {**keyframe.chunk_bases(), **latest.chunk_bases()}
     guard = ManifestGuard(watched, known)
     if policy.needs_keyframe(latest, keyframe):
         return DeltaContext(known_bases=known, guard=guard)
-    return DeltaContext(keyframe, known, latest.get("since_keyframe", 0) + 1, guard=guard)
+    return DeltaContext(keyframe, known, latest.since_keyframe + 1, guard=guard)
 
 
-def _read_watched(vault: Vault, step: int, watched: dict[str, tuple[int, float]]) -> dict[str, Any]:
+def _read_watched(vault: Vault, step: int, watched: dict[str, tuple[int, float]]) -> Manifest:
     """Manifest of ``step``, after noting its size and mtime in ``watched`` (stat first: what is read is at least
     as new as what was noted, so a change in between shows as a change)."""
     key = manifest_key(step)
@@ -250,16 +250,15 @@ class BaseRef:
     stored: int
 
 
-def find_bases(plans: list[ChunkPlan], records: list[ArrayRecord], keyframe: dict[str, Any]
-               ) -> list[BaseRef | None]:
+def find_bases(plans: list[ChunkPlan], records: list[ArrayRecord], keyframe: Manifest) -> list[BaseRef | None]:
     """For each planned chunk, the keyframe chunk that held exactly the same region, if any.
 
     A region matches when every array in the chunk has the same key path,
     dtype and shape in the keyframe and sits at the same offset of one full
     (non-delta) keyframe chunk of the same length.
     """
-    by_path = {t["path"]: t for t in keyframe["tensors"]}
-    chunks = keyframe["chunks"]
+    by_path = {t.path: t for t in keyframe.tensors}
+    chunks = keyframe.chunks
     bases: list[BaseRef | None] = []
     for plan in plans:
         candidate: int | None = None
@@ -272,27 +271,34 @@ def find_bases(plans: list[ChunkPlan], records: list[ArrayRecord], keyframe: dic
             candidate = located[0]
             offset += source.length
         entry = chunks[candidate] if candidate is not None else None
-        usable = entry is not None and entry.get("base") is None and entry["raw"] == plan.nbytes
-        bases.append(BaseRef(entry["id"], entry["stored"]) if usable else None)
+        usable = entry is not None and entry.base is None and entry.raw == plan.nbytes
+        bases.append(BaseRef(entry.id, entry.stored) if entry is not None and usable else None)
     return bases
 
 
-def _locate(base: dict[str, Any] | None, record: ArrayRecord, start: int, length: int) -> tuple[int, int] | None:
+def _locate(base: TensorRecord | None, record: ArrayRecord, start: int, length: int) -> tuple[int, int] | None:
     """(chunk index, offset in chunk) of bytes [start, start+length) of ``base``, if in one piece."""
-    if base is None or base["kind"] != record.kind or base["dtype"] != record.dtype or base["shape"] != record.shape:
+    if base is None or base.kind != record.kind or base.dtype != record.dtype or base.shape != tuple(record.shape):
         return None
-    if _stored_as(base.get("lossy")) != _stored_as(record.lossy):
+    if _stored_as(base.lossy) != _pending_stored_as(record.lossy):
         return None
     position = 0
-    for chunk, offset, piece_length in base["pieces"]:
+    for piece in base.pieces:
         if position == start:
-            return (chunk, offset) if piece_length == length else None
-        position += piece_length
+            return (piece.chunk, piece.offset) if piece.length == length else None
+        position += piece.length
     return None
 
 
-def _stored_as(lossy: dict[str, Any] | None) -> tuple[Any, ...]:
-    """What identifies a lossy stored form (None for exact storage); deltas need equal forms."""
+def _stored_as(lossy: LossyInfo | None) -> tuple[Any, ...]:
+    """What identifies a manifest record's lossy stored form (() for exact storage); deltas need equal forms."""
+    if lossy is None or not lossy.is_lossy:
+        return ()
+    return (lossy.codec, lossy.block, lossy.stored_dtype, lossy.base_step)
+
+
+def _pending_stored_as(lossy: dict[str, Any] | None) -> tuple[Any, ...]:
+    """:func:`_stored_as` of the lossy description a save is about to write (``ArrayRecord.lossy``)."""
     if not lossy or lossy.get("codec") == "lossless":
         return ()
     return (lossy["codec"], lossy.get("block"), lossy.get("stored_dtype"), lossy.get("base_step"))

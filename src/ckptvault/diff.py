@@ -25,7 +25,8 @@ import numpy as np
 import torch
 
 from .arrays import itemsize_of, torch_dtype
-from .restore import LossyReads, is_lossy, read_into
+from .format.records import Manifest, TensorRecord
+from .restore import Dest, LossyReads, read_into
 from .rules import any_match
 from .tree import leaf_paths
 from .vault import Vault
@@ -126,15 +127,15 @@ def diff_steps(vault: Vault, step_a: int, step_b: int, keys: Iterable[str] | Non
     ma, mb = vault.read_manifest(step_a), vault.read_manifest(step_b)
     patterns = [keys] if isinstance(keys, str) else list(keys) if keys is not None else None
     ta, tb = _records(ma, patterns), _records(mb, patterns)
-    result = CheckpointDiff(step_a, step_b, added_bytes_b=mb["added_bytes"], stored_bytes_b=mb["stored_bytes"],
-                            logical_bytes_b=mb["logical_bytes"], keyframe_step_b=mb.get("keyframe_step"))
+    result = CheckpointDiff(step_a, step_b, added_bytes_b=mb.added_bytes, stored_bytes_b=mb.stored_bytes,
+                            logical_bytes_b=mb.logical_bytes, keyframe_step_b=mb.keyframe)
     result.only_a = [_only(ma, r, added=False) for p, r in ta.items() if p not in tb]
     result.only_b = [_only(mb, r, added=True) for p, r in tb.items() if p not in ta]
     to_read: list[tuple[str, int, int]] = []
     for path, (ib, rb) in ((p, r) for p, r in tb.items() if p in ta):
         ia, ra = ta[path]
         added = _added_share(mb, rb)
-        if ra["dtype"] != rb["dtype"] or ra["shape"] != rb["shape"] or ra["kind"] != rb["kind"]:
+        if ra.dtype != rb.dtype or ra.shape != rb.shape or ra.kind != rb.kind:
             numel = _numel(rb)
             result.tensors.append(_tensor_diff(rb, "retyped", numel, None, added))
         elif _chunk_refs(ma, ra) == _chunk_refs(mb, rb):
@@ -152,60 +153,62 @@ def diff_steps(vault: Vault, step_a: int, step_b: int, keys: Iterable[str] | Non
 
 
 # -- records and sizes -------------------------------------------------------------------------------------
-def _records(manifest: dict[str, Any], patterns: list[str] | None) -> dict[str, tuple[int, dict[str, Any]]]:
+def _records(manifest: Manifest, patterns: list[str] | None) -> dict[str, tuple[int, TensorRecord]]:
     """Key path -> (index, tensor record) of every array, in manifest order, filtered by ``patterns``."""
     out = {}
-    for index, record in enumerate(manifest["tensors"]):
-        if record["kind"] == "part":  # a lossy tensor's block scales: compared through the tensor they decode
+    for index, record in enumerate(manifest.tensors):
+        if record.kind == "part":  # a lossy tensor's block scales: compared through the tensor they decode
             continue
-        if patterns is None or any_match(record["path"], patterns):
-            out[record["path"]] = (index, record)
+        if patterns is None or any_match(record.path, patterns):
+            out[record.path] = (index, record)
     return out
 
 
-def _numel(record: dict[str, Any]) -> int:
-    if record["kind"] == "pickle":
-        return 1
-    return math.prod(record["shape"])
+def _numel(record: TensorRecord) -> int:
+    return 1 if record.kind == "pickle" else record.numel
 
 
-def _chunk_refs(manifest: dict[str, Any], record: dict[str, Any]) -> list[Any]:
+def _chunk_refs(manifest: Manifest, record: TensorRecord) -> list[Any]:
     """What the restored value depends on: the record's chunks and, for a lossy one, its codec, scales and keyframe copy."""
-    chunks, lossy = manifest["chunks"], record.get("lossy") or {}
-    pieces = [*record["pieces"], *(p for j in lossy.get("parts", {}).values() for p in manifest["tensors"][j]["pieces"]),
-              *lossy.get("base_pieces", [])]
-    return [(lossy.get("codec"), lossy.get("block"))] + [(chunks[c]["id"], offset, length) for c, offset, length in pieces]
+    lossy = record.lossy if record.is_lossy else None
+    pieces = [*record.pieces]
+    if lossy is not None:
+        pieces += [p for j in lossy.parts.values() for p in manifest.tensors[j].pieces] + list(lossy.base_pieces or ())
+    codec = (lossy.codec, lossy.block) if lossy is not None else (None, None)
+    return [codec] + [(manifest.chunks[p.chunk].id, p.offset, p.length) for p in pieces]
 
 
-def _nbytes(record: dict[str, Any]) -> int:
+def _nbytes(record: TensorRecord) -> int:
     """Bytes of the array as restored (a lossy record's ``nbytes`` is its stored form's)."""
-    return (record.get("lossy") or {}).get("original_nbytes", record["nbytes"])
+    if record.is_lossy and record.lossy is not None and record.lossy.original_nbytes is not None:
+        return record.lossy.original_nbytes
+    return record.nbytes
 
 
-def _added_share(manifest: dict[str, Any], record: dict[str, Any]) -> int:
+def _added_share(manifest: Manifest, record: TensorRecord) -> int:
     """The record's share of the stored size of the chunks its checkpoint created."""
-    chunks = manifest["chunks"]
-    share = sum(chunks[c]["stored"] * length / max(chunks[c]["raw"], 1) for c, _o, length in record["pieces"]
-                if chunks[c]["new"])
+    chunks = manifest.chunks
+    share = sum(chunks[p.chunk].stored * p.length / max(chunks[p.chunk].raw, 1) for p in record.pieces
+                if chunks[p.chunk].new)
     return round(share)
 
 
-def _only(manifest: dict[str, Any], entry: tuple[int, dict[str, Any]], added: bool) -> OnlyIn:
+def _only(manifest: Manifest, entry: tuple[int, TensorRecord], added: bool) -> OnlyIn:
     record = entry[1]
-    return OnlyIn(record["path"], record["kind"], record["dtype"], record["shape"], _nbytes(record),
+    return OnlyIn(record.path, record.kind, record.dtype, list(record.shape), _nbytes(record),
                   _added_share(manifest, record) if added else 0)
 
 
-def _tensor_diff(record: dict[str, Any], status: str, changed: int, max_abs: float | int | None, added: int) -> TensorDiff:
-    return TensorDiff(record["path"], record["kind"], record["dtype"], record["shape"], _numel(record), _nbytes(record),
+def _tensor_diff(record: TensorRecord, status: str, changed: int, max_abs: float | int | None, added: int) -> TensorDiff:
+    return TensorDiff(record.path, record.kind, record.dtype, list(record.shape), _numel(record), _nbytes(record),
                       status, changed, max_abs, added)
 
 
-def _batches(items: list[tuple[str, int, int]], manifest: dict[str, Any], limit: int) -> Iterable[list[tuple[str, int, int]]]:
+def _batches(items: list[tuple[str, int, int]], manifest: Manifest, limit: int) -> Iterable[list[tuple[str, int, int]]]:
     batch: list[tuple[str, int, int]] = []
     size = 0
     for item in items:
-        nbytes = _nbytes(manifest["tensors"][item[2]])
+        nbytes = _nbytes(manifest.tensors[item[2]])
         if batch and size + nbytes > limit:
             yield batch
             batch, size = [], 0
@@ -216,27 +219,28 @@ def _batches(items: list[tuple[str, int, int]], manifest: dict[str, Any], limit:
 
 
 # -- comparing values ----------------------------------------------------------------------------------------
-def _compare_batch(vault: Vault, ma: dict[str, Any], mb: dict[str, Any], batch: list[tuple[str, int, int]],
+def _compare_batch(vault: Vault, ma: Manifest, mb: Manifest, batch: list[tuple[str, int, int]],
                    progress: Progress | None) -> list[TensorDiff]:
     bufs_a = _read_values(vault, ma, [ia for _p, ia, _ib in batch], progress)
     bufs_b = _read_values(vault, mb, [ib for _p, _ia, ib in batch], progress)
     out = []
     for _path, ia, ib in batch:
-        record = mb["tensors"][ib]
-        changed, max_abs = compare_bytes(bufs_a.pop(ia), bufs_b.pop(ib), record["kind"], record["dtype"])
+        record = mb.tensors[ib]
+        changed, max_abs = compare_bytes(bufs_a.pop(ia), bufs_b.pop(ib), record.kind, record.dtype)
         out.append(_tensor_diff(record, "changed" if changed else "same", changed, max_abs, _added_share(mb, record)))
     return out
 
 
-def _read_values(vault: Vault, manifest: dict[str, Any], indices: list[int], progress: Progress | None
+def _read_values(vault: Vault, manifest: Manifest, indices: list[int], progress: Progress | None
                  ) -> dict[int, np.ndarray]:
     """Record index -> its bytes as restore returns them (a lossy record decoded to its original dtype)."""
-    tensors = manifest["tensors"]
-    lossy = LossyReads(tensors, [i for i in indices if is_lossy(tensors[i])])
-    bufs = {i: np.empty(tensors[i]["nbytes"], np.uint8) for i in indices if not is_lossy(tensors[i])}
-    read_into(vault, manifest, {**{i: memoryview(b) for i, b in bufs.items()}, **lossy.dests()}, progress)
+    tensors = manifest.tensors
+    lossy = LossyReads(tensors, [i for i in indices if tensors[i].is_lossy])
+    bufs = {i: np.empty(tensors[i].nbytes, np.uint8) for i in indices if not tensors[i].is_lossy}
+    dests: dict[Dest, memoryview | Callable[[], memoryview]] = {i: memoryview(b) for i, b in bufs.items()}
+    read_into(vault, manifest, {**dests, **lossy.dests()}, progress)
     for i in indices:
-        if is_lossy(tensors[i]):
+        if tensors[i].is_lossy:
             bufs[i] = lossy.decoded(i).reshape(-1).view(torch.uint8).numpy()
     return bufs
 
@@ -324,9 +328,9 @@ def _json_number(value: float | int | None) -> float | int | str | None:
 
 
 # -- skeleton scalars ------------------------------------------------------------------------------------------
-def _scalar_changes(ma: dict[str, Any], mb: dict[str, Any], patterns: list[str] | None) -> list[dict[str, Any]]:
+def _scalar_changes(ma: Manifest, mb: Manifest, patterns: list[str] | None) -> list[dict[str, Any]]:
     """Scalar leaves of the skeletons (ints, floats, strings...) that differ, are added or removed."""
-    sa, sb = _scalars(ma["tree"], patterns), _scalars(mb["tree"], patterns)
+    sa, sb = _scalars(ma.tree, patterns), _scalars(mb.tree, patterns)
     out = []
     for path in list(sa) + [p for p in sb if p not in sa]:
         a, b = sa.get(path), sb.get(path)

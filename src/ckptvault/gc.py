@@ -194,7 +194,20 @@ def store_now(store: Store) -> tuple[float, str]:
         return time.time(), "local"
 
 
-def mark(vault: Vault, listed: Iterable[ObjectInfo]) -> tuple[set[str], dict[int, dict[str, Any]]]:
+@dataclass(frozen=True)
+class ManifestSummary:
+    """What maintenance needs of one manifest: retention's inputs, and each chunk it names with its delta base
+    (None for a full chunk) and stored size."""
+
+    step: int
+    time: float
+    metrics: dict[str, Any]
+    keyframe: int
+    chunks: dict[str, str | None]
+    stored: dict[str, int]
+
+
+def mark(vault: Vault, listed: Iterable[ObjectInfo]) -> tuple[set[str], dict[int, ManifestSummary]]:
     """Live chunk ids reachable from these manifests (delta bases followed), and a summary per step.
 
     Raises MaintenanceRefusedError if any manifest is unreadable (see :func:`read_summaries`).
@@ -203,7 +216,7 @@ def mark(vault: Vault, listed: Iterable[ObjectInfo]) -> tuple[set[str], dict[int
     live: set[str] = set()
     bases: dict[str, str | None] = {}
     for summary in summaries.values():
-        for cid, base in summary["chunks"].items():
+        for cid, base in summary.chunks.items():
             live.add(cid)
             if base is not None or cid not in bases:
                 bases[cid] = base
@@ -211,7 +224,7 @@ def mark(vault: Vault, listed: Iterable[ObjectInfo]) -> tuple[set[str], dict[int
     return live, summaries
 
 
-def read_summaries(vault: Vault, listed: Iterable[ObjectInfo]) -> dict[int, dict[str, Any]]:
+def read_summaries(vault: Vault, listed: Iterable[ObjectInfo]) -> dict[int, ManifestSummary]:
     """step -> the parts of its manifest maintenance needs (time, metrics, keyframe, chunks).
 
     A manifest deleted meanwhile is skipped; any other read failure raises
@@ -219,7 +232,7 @@ def read_summaries(vault: Vault, listed: Iterable[ObjectInfo]) -> dict[int, dict
     checkpoint references is unknown.
     """
     steps = [s for s in (step_of_key(i.key) for i in listed) if s is not None]
-    summaries: dict[int, dict[str, Any]] = {}
+    summaries: dict[int, ManifestSummary] = {}
     problems: dict[int, str] = {}
     for step, outcome in zip(steps, vault.pool.map(lambda s: _summarise(vault, s), steps)):
         if isinstance(outcome, str):
@@ -231,7 +244,7 @@ def read_summaries(vault: Vault, listed: Iterable[ObjectInfo]) -> dict[int, dict
     return summaries
 
 
-def _summarise(vault: Vault, step: int) -> dict[str, Any] | str | None:
+def _summarise(vault: Vault, step: int) -> ManifestSummary | str | None:
     """The parts of a manifest maintenance needs, None if it vanished, or a problem description."""
     try:
         m = vault.read_manifest(step)
@@ -239,14 +252,7 @@ def _summarise(vault: Vault, step: int) -> dict[str, Any] | str | None:
         return None
     except (CorruptDataError, FormatVersionError, StorageError) as exc:
         return f"{type(exc).__name__}: {exc}"
-    try:
-        chunks = {c["id"]: c.get("base") for c in m["chunks"]}
-        stored = {c["id"]: int(c["stored"]) for c in m["chunks"]}
-        keyframe = m.get("keyframe_step")
-        return {"step": step, "time": float(m["time"]), "metrics": m.get("metrics") or {}, "chunks": chunks,
-                "stored": stored, "keyframe": keyframe if isinstance(keyframe, int) else None}
-    except (KeyError, TypeError, ValueError) as exc:
-        return f"manifest lacks a required field ({type(exc).__name__}: {exc})"
+    return ManifestSummary(step, m.time, m.metrics, m.keyframe, m.chunk_bases(), {c.id: c.stored for c in m.chunks})
 
 
 def _follow_bases(vault: Vault, live: set[str], bases: dict[str, str | None]) -> None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from .format.records import LossyInfo, Manifest, TensorRecord
+
 
 @dataclass(frozen=True)
 class TensorInfo:
@@ -57,31 +59,31 @@ class CheckpointInfo:
         return out
 
 
-def _lossy_name(lossy: dict[str, Any]) -> str:
-    return f"{lossy['codec']}:{lossy['block']}" if "block" in lossy else lossy["codec"]
+def _lossy_name(lossy: LossyInfo) -> str:
+    return f"{lossy.codec}:{lossy.block}" if lossy.block is not None else lossy.codec
 
 
-def info_from_manifest(manifest: dict[str, Any]) -> CheckpointInfo:
-    chunks = manifest["chunks"]
-    records = manifest["tensors"]
+def info_from_manifest(manifest: Manifest) -> CheckpointInfo:
+    chunks = manifest.chunks
+    records = manifest.tensors
 
-    def share(record: dict[str, Any]) -> float:
-        return sum(chunks[c]["stored"] * length / max(chunks[c]["raw"], 1) for c, _off, length in record["pieces"])
+    def share(record: TensorRecord) -> float:
+        return sum(chunks[p.chunk].stored * p.length / max(chunks[p.chunk].raw, 1) for p in record.pieces)
 
     tensors = []
     for t in records:
-        if t["kind"] == "part":
+        if t.kind == "part":
             continue
-        lossy = t.get("lossy") or {}
-        stored = share(t) + sum(share(records[j]) for j in lossy.get("parts", {}).values())
-        codec = t["codec"] if lossy.get("codec", "lossless") == "lossless" else f"{_lossy_name(lossy)}+{t['codec']}"
-        tensors.append(TensorInfo(t["path"], t["kind"], t["dtype"], tuple(t["shape"]),
-                                  lossy.get("original_nbytes", t["nbytes"]), round(stored), codec,
-                                  _error(lossy.get("error")), tuple(lossy.get("notes", ()))))
+        lossy = t.lossy if t.is_lossy else None
+        stored = share(t) + (sum(share(records[j]) for j in lossy.parts.values()) if lossy else 0)
+        codec = f"{_lossy_name(lossy)}+{t.codec}" if lossy else t.codec
+        tensors.append(TensorInfo(t.path, t.kind, t.dtype, t.shape,
+                                  lossy.original_nbytes or t.nbytes if lossy else t.nbytes, round(stored), codec,
+                                  _error(lossy.error if lossy else None), t.lossy.notes if t.lossy else ()))
     return CheckpointInfo(
-        step=manifest["step"], time=manifest["time"], logical_bytes=manifest["logical_bytes"],
-        stored_bytes=manifest["stored_bytes"], added_bytes=manifest["added_bytes"], metrics=manifest["metrics"],
-        metadata=manifest["metadata"], tensors=tensors, num_chunks=len(chunks),
+        step=manifest.step, time=manifest.time, logical_bytes=manifest.logical_bytes,
+        stored_bytes=manifest.stored_bytes, added_bytes=manifest.added_bytes, metrics=manifest.metrics,
+        metadata=manifest.metadata, tensors=tensors, num_chunks=len(chunks),
     )
 
 

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from .arrays import empty_like_record, tensor_bytes, torch_dtype, torch_dtype_name, writable_bytes
+from .format.records import Manifest
 from .lossy import (
     Alloc,
     Encoded,
@@ -80,7 +81,7 @@ class LossyBuffers:
 
 
 def apply_lossy(snapshot: Snapshot, policy: SafetyPolicy, default_lossless: str, vault: Vault,
-                keyframe: dict[str, Any] | None, buffers: LossyBuffers | None = None) -> Snapshot:
+                keyframe: Manifest | None, buffers: LossyBuffers | None = None) -> Snapshot:
     """Return a snapshot whose lossy-ruled records hold their encoded bytes (others unchanged).
 
     ``buffers``: where encoded parts go, reused across saves (default: fresh memory each time).
@@ -157,21 +158,21 @@ def _stored_form(record: ArrayRecord, encoded: Encoded, lossless: str, notes: li
     return stored, tensor_bytes(primary.contiguous()), parts
 
 
-def _residual_base(vault: Vault, keyframe: dict[str, Any] | None, record: ArrayRecord
+def _residual_base(vault: Vault, keyframe: Manifest | None, record: ArrayRecord
                    ) -> tuple[torch.Tensor, dict[str, Any]] | None:
-    """The keyframe's exact copy of this tensor and where it lives, if the keyframe stored it exactly."""
+    """The keyframe's exact copy of this tensor and where it lives (its pieces, each naming the keyframe's
+    ChunkRef), if the keyframe stored it exactly."""
     if keyframe is None:
         return None
-    entry = next((t for t in keyframe["tensors"] if t["path"] == record.path), None)
-    if (entry is None or entry["kind"] != "torch" or entry["dtype"] != record.dtype or entry["shape"] != record.shape
-            or entry.get("lossy", {}).get("codec", "lossless") != "lossless"):
+    index = next((i for i, t in enumerate(keyframe.tensors) if t.path == record.path), None)
+    entry = None if index is None else keyframe.tensors[index]
+    if (index is None or entry is None or entry.kind != "torch" or entry.dtype != record.dtype
+            or entry.shape != tuple(record.shape) or entry.is_lossy):
         return None
     from .restore import read_into
 
-    value = empty_like_record("torch", entry["dtype"], entry["shape"])
-    index = keyframe["tensors"].index(entry)
+    value = empty_like_record("torch", entry.dtype, list(entry.shape))
     read_into(vault, keyframe, {index: writable_bytes(value)})
-    chunks = keyframe["chunks"]
-    pieces = [{"chunk": chunks[c], "offset": offset, "length": length} for c, offset, length in entry["pieces"]]
-    return value, {"step": keyframe["step"], "pieces": pieces}
+    pieces = [{"chunk": keyframe.chunks[p.chunk], "offset": p.offset, "length": p.length} for p in entry.pieces]
+    return value, {"step": keyframe.step, "pieces": pieces}
 

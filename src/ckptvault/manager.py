@@ -138,7 +138,7 @@ class CheckpointManager(MaintenanceMixin):
         desc = self.vault.descriptor() or self.vault.create(self._chunk_size, codec)
         if not overwrite and (self.vault.store.exists(manifest_key(step)) or self._saver.inflight_step == step):
             raise StepExistsError(step, self.url)
-        rules = CodecRules(self._codec_rules, desc["codec"] if self._codec is None else self._codec)
+        rules = CodecRules(self._codec_rules, desc.codec if self._codec is None else self._codec)
         metrics, metadata = json_fields(metrics, "metrics"), json_fields(metadata, "metadata")  # fail here, not later
         request = SaveRequest(step, metrics, metadata, overwrite, progress, rules.default)
         return self._saver.submit(request, state, rules, allow_pickle)
@@ -165,8 +165,9 @@ class CheckpointManager(MaintenanceMixin):
         return info_from_manifest(self.vault.read_manifest(self._resolve(step)))
 
     def manifest(self, step: int | None = None) -> dict[str, Any]:
-        """The verified manifest body of ``step`` (default: latest)."""
-        return self.vault.read_manifest(self._resolve(step))
+        """The verified manifest body of ``step`` (default: latest), as the JSON object docs/DESIGN.md section 4
+        describes (for tools; ``info`` gives the same as typed values)."""
+        return self.vault.read_manifest(self._resolve(step)).to_json()
 
     # -- restoring ---------------------------------------------------------
     def restore(

@@ -24,7 +24,7 @@ from typing import Any
 from .argcheck import check_kind
 from .errors import InvalidArgumentError, ObjectNotFoundError, VaultError
 from .format.manifest import manifest_key, step_of_key
-from .gc import collect, manifest_infos, read_summaries
+from .gc import ManifestSummary, collect, manifest_infos, read_summaries
 from .pins import PINS_PREFIX, list_pins, parse_pin_key
 from .retention import Decision, Policy, Retention, RetentionInfo
 from .vault import Vault
@@ -89,7 +89,7 @@ def plan_prune(vault: Vault, retention: Retention | Policy | Iterable[Policy], n
     listed = manifest_infos(vault.store)
     summaries = read_summaries(vault, listed)
     pins = list_pins(vault)
-    infos = [RetentionInfo(s["step"], s["time"], s["metrics"], pins.get(s["step"], frozenset()), s["keyframe"])
+    infos = [RetentionInfo(s.step, s.time, s.metrics, pins.get(s.step, frozenset()), s.keyframe)
              for s in summaries.values()]
     decisions = _protect(policy.decide(infos, now), set(protect))
     sizes = {s: i.size for i in listed if (s := step_of_key(i.key)) is not None}
@@ -158,14 +158,14 @@ def _protect(decisions: list[Decision], protect: set[int]) -> list[Decision]:
     return [Decision(d.step, True, d.reasons + ("protected",)) if d.step in protect else d for d in decisions]
 
 
-def _released(summaries: dict[int, dict[str, Any]], drop: set[int]) -> int:
+def _released(summaries: dict[int, ManifestSummary], drop: set[int]) -> int:
     """Stored bytes of chunks that only dropped checkpoints name (gc frees them after the grace period)."""
     kept: set[str] = set()
     for step, s in summaries.items():
         if step not in drop:
-            kept.update(s["chunks"])
-            kept.update(b for b in s["chunks"].values() if b is not None)
+            kept.update(s.chunks)
+            kept.update(b for b in s.chunks.values() if b is not None)
     freed: dict[str, int] = {}
     for step in drop:
-        freed.update((cid, size) for cid, size in summaries[step]["stored"].items() if cid not in kept)
+        freed.update((cid, size) for cid, size in summaries[step].stored.items() if cid not in kept)
     return sum(freed.values())

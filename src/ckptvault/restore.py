@@ -19,6 +19,7 @@ import torch
 
 from .arrays import empty_like_record, finish_ndarray, plain_cpu, tensor_bytes, torch_dtype, writable_bytes
 from .errors import CorruptChunkError, InvalidArgumentError, KeyMismatchError, ObjectNotFoundError, PickleNotAllowedError
+from .format.records import LossyInfo, Manifest, Piece, TensorRecord
 from .lossy import DEFAULT_BLOCK, LossySpec, decode
 from .parallel import map_all
 from .rules import any_match
@@ -28,10 +29,11 @@ from .vault import Vault
 Progress = Callable[[int], None]
 
 
-Dest = Any  # a record index, or ("base", index) for a residual's keyframe copy
+#: where read_into writes: a record index, or ("base", index) for a residual's keyframe copy
+Dest = int | tuple[str, int]
 
 
-def read_into(vault: Vault, manifest: dict[str, Any], dests: dict[Dest, memoryview | Callable[[], memoryview]],
+def read_into(vault: Vault, manifest: Manifest, dests: dict[Dest, memoryview | Callable[[], memoryview]],
               progress: Progress | None = None, on_filled: Callable[[Dest], None] | None = None) -> None:
     """Fill ``dests`` (record index -> writable byte view of its stored bytes) from the vault.
 
@@ -45,15 +47,15 @@ def read_into(vault: Vault, manifest: dict[str, Any], dests: dict[Dest, memoryvi
     first, on the calling thread); an error it raises fails the read like a bad
     chunk.
     """
-    tensors, chunks = manifest["tensors"], manifest["chunks"]
+    tensors, chunks = manifest.tensors, manifest.chunks
     jobs: dict[int, list[tuple[Dest, int, int, int]]] = defaultdict(list)
     left: dict[Dest, int] = {}  # pieces of each key not yet written
     for key in dests:
         dest_offset = 0
         pieces = _pieces(tensors, key)
-        for chunk, offset, length in pieces:
-            jobs[chunk].append((key, dest_offset, offset, length))
-            dest_offset += length
+        for piece in pieces:
+            jobs[piece.chunk].append((key, dest_offset, piece.offset, piece.length))
+            dest_offset += piece.length
         left[key] = len(pieces)
     lock = threading.Lock()
 
@@ -79,19 +81,19 @@ def read_into(vault: Vault, manifest: dict[str, Any], dests: dict[Dest, memoryvi
             filled(key)
 
     def fetch(chunk: int) -> None:
-        cid = chunks[chunk]["id"]
+        cid = chunks[chunk].id
         first_key = jobs[chunk][0][0]
-        first = tensors[first_key[1] if isinstance(first_key, tuple) else first_key]["path"]
+        first = tensors[first_key[1] if isinstance(first_key, tuple) else first_key].path
         try:
-            raw = memoryview(vault.read_chunk(cid, expected_raw=chunks[chunk]["raw"])).cast("B")
+            raw = memoryview(vault.read_chunk(cid, expected_raw=chunks[chunk].raw)).cast("B")
         except ObjectNotFoundError:
-            raise CorruptChunkError(cid, "the chunk object is missing", manifest["step"], first) from None
+            raise CorruptChunkError(cid, "the chunk object is missing", manifest.step, first) from None
         except CorruptChunkError as exc:
-            raise CorruptChunkError(cid, exc.reason, manifest["step"], first) from None
+            raise CorruptChunkError(cid, exc.reason, manifest.step, first) from None
         for index, dest_offset, offset, length in jobs[chunk]:
             view_of(index)[dest_offset : dest_offset + length] = raw[offset : offset + length]
         if progress:
-            progress(chunks[chunk]["raw"])
+            progress(chunks[chunk].raw)
         if on_filled:
             written([index for index, *_ in jobs[chunk]])
 
@@ -101,51 +103,53 @@ def read_into(vault: Vault, manifest: dict[str, Any], dests: dict[Dest, memoryvi
     map_all(vault.pool, fetch, sorted(jobs))
 
 
-def _pieces(tensors: list[dict[str, Any]], key: Dest) -> list[list[int]]:
+def _pieces(tensors: tuple[TensorRecord, ...], key: Dest) -> tuple[Piece, ...]:
     if isinstance(key, tuple):
-        return tensors[key[1]]["lossy"]["base_pieces"]
-    return tensors[key]["pieces"]
-
-
-def is_lossy(record: dict[str, Any]) -> bool:
-    """True if the record is stored in a lossy form (restore decodes it to its original dtype)."""
-    lossy = record.get("lossy")
-    return bool(lossy) and lossy.get("codec") != "lossless"
+        lossy = tensors[key[1]].lossy
+        assert lossy is not None and lossy.base_pieces is not None  # only residual records have a base key
+        return lossy.base_pieces
+    return tensors[key].pieces
 
 
 class LossyReads:
     """Buffers to read lossy records into (stored form, parts, keyframe copy), and their decoding."""
 
-    def __init__(self, tensors: list[dict[str, Any]], indices: Iterable[int]) -> None:
+    def __init__(self, tensors: tuple[TensorRecord, ...], indices: Iterable[int]) -> None:
         self.tensors = tensors
         self.buffers: dict[Dest, torch.Tensor] = {}
         for i in indices:
-            lossy = tensors[i]["lossy"]
-            self.buffers[i] = torch.empty(lossy["stored_shape"], dtype=torch_dtype(lossy["stored_dtype"]))
-            for j in lossy["parts"].values():
-                self.buffers[j] = torch.empty(tensors[j]["shape"], dtype=torch_dtype(tensors[j]["dtype"]))
-            if "base_pieces" in lossy:
-                self.buffers[("base", i)] = torch.empty(tensors[i]["shape"], dtype=torch_dtype(tensors[i]["dtype"]))
+            lossy = _lossy(tensors[i])
+            self.buffers[i] = torch.empty(lossy.stored_shape or (), dtype=torch_dtype(lossy.stored_dtype or ""))
+            for j in lossy.parts.values():
+                self.buffers[j] = torch.empty(tensors[j].shape, dtype=torch_dtype(tensors[j].dtype))
+            if lossy.base_pieces is not None:
+                self.buffers[("base", i)] = torch.empty(tensors[i].shape, dtype=torch_dtype(tensors[i].dtype))
 
     def dests(self) -> dict[Dest, memoryview]:
         return {key: tensor_bytes(buffer) for key, buffer in self.buffers.items()}
 
     def decoded(self, i: int) -> torch.Tensor:
         """Record ``i`` in its original dtype and shape (after the buffers were read)."""
-        record, lossy = self.tensors[i], self.tensors[i]["lossy"]
-        spec = LossySpec(lossy["codec"], lossy.get("block", DEFAULT_BLOCK))
-        parts = {"q": self.buffers[i], **{name: self.buffers[j] for name, j in lossy["parts"].items()}}
-        return decode(spec, parts, torch_dtype(record["dtype"]), record["shape"], self.buffers.get(("base", i)))
+        record = self.tensors[i]
+        lossy = _lossy(record)
+        spec = LossySpec(lossy.codec, DEFAULT_BLOCK if lossy.block is None else lossy.block)
+        parts = {"q": self.buffers[i], **{name: self.buffers[j] for name, j in lossy.parts.items()}}
+        return decode(spec, parts, torch_dtype(record.dtype), list(record.shape), self.buffers.get(("base", i)))
 
 
-def select(manifest: dict[str, Any], keys: Iterable[str] | None) -> set[str] | None:
+def _lossy(record: TensorRecord) -> LossyInfo:
+    assert record.lossy is not None  # a record LossyReads was given is lossy
+    return record.lossy
+
+
+def select(manifest: Manifest, keys: Iterable[str] | None) -> set[str] | None:
     """Leaf key paths matching ``keys`` (None = everything). Raises if nothing matches."""
     if keys is None:
         return None
     patterns = list(keys) if isinstance(keys, Iterable) and not isinstance(keys, str) else [keys]  # one, or a list
     if not all(isinstance(p, str) for p in patterns):
         raise InvalidArgumentError(f"keys must be a key path pattern or a list of them (such as 'model.*'), got {keys!r}")
-    paths = leaf_paths(manifest["tree"])
+    paths = leaf_paths(manifest.tree)
     chosen = {p for p in paths if any_match(p, patterns)}
     if not chosen:
         tops = sorted({p.split(".", 1)[0] for p in paths})
@@ -153,21 +157,22 @@ def select(manifest: dict[str, Any], keys: Iterable[str] | None) -> set[str] | N
     return chosen
 
 
-def restore_tree(vault: Vault, manifest: dict[str, Any], keys: Iterable[str] | None, allow_pickle: bool,
+def restore_tree(vault: Vault, manifest: Manifest, keys: Iterable[str] | None, allow_pickle: bool,
                  progress: Progress | None = None) -> Any:
     """Rebuild the saved state (or the part ``keys`` selects) in new tensors and arrays."""
     selected = select(manifest, keys)
     if not allow_pickle:
-        _refuse_pickle(manifest["tree"], selected)
-    needed = _leaf_indices(manifest["tree"], selected)
-    tensors = manifest["tensors"]
-    lossy = LossyReads(tensors, [i for i in needed if is_lossy(tensors[i])])
-    values = {i: empty_like_record(tensors[i]["kind"], tensors[i]["dtype"], tensors[i]["shape"])
+        _refuse_pickle(manifest.tree, selected)
+    needed = _leaf_indices(manifest.tree, selected)
+    tensors = manifest.tensors
+    lossy = LossyReads(tensors, [i for i in needed if tensors[i].is_lossy])
+    values = {i: empty_like_record(tensors[i].kind, tensors[i].dtype, list(tensors[i].shape))
               for i in needed if i not in lossy.buffers}
-    read_into(vault, manifest, {**{i: writable_bytes(v) for i, v in values.items()}, **lossy.dests()}, progress)
+    dests: dict[Dest, memoryview | Callable[[], memoryview]] = {i: writable_bytes(v) for i, v in values.items()}
+    read_into(vault, manifest, {**dests, **lossy.dests()}, progress)
     values.update({i: lossy.decoded(i) for i in needed if i in lossy.buffers})
     finished = {i: _finish(tensors[i], v) for i, v in values.items()}
-    return unflatten(manifest["tree"], finished, selected, allow_pickle)
+    return unflatten(manifest.tree, finished, selected, allow_pickle)
 
 
 def _refuse_pickle(tree: dict[str, Any], selected: set[str] | None) -> None:
@@ -180,7 +185,7 @@ def _refuse_pickle(tree: dict[str, Any], selected: set[str] | None) -> None:
             )
 
 
-def restore_into(vault: Vault, manifest: dict[str, Any], into: Any, strict: bool,
+def restore_into(vault: Vault, manifest: Manifest, into: Any, strict: bool,
                  progress: Progress | None = None) -> Any:
     """Copy saved tensors into the tensors/arrays of ``into`` in place; returns ``into``.
 
@@ -206,13 +211,13 @@ def restore_into(vault: Vault, manifest: dict[str, Any], into: Any, strict: bool
                 raise KeyMismatchError(f"into= holds {path!r}, which the checkpoint does not (pass strict=False to skip)")
             continue
         target = target.detach() if isinstance(target, torch.Tensor) else target
-        record = manifest["tensors"][index]
+        record = manifest.tensors[index]
         _check_target(record, path, target)
         if index in firsts:  # another key path of a tied tensor (saved once): copied from the first after reading
             if not _same_memory(target, firsts[index]):
                 copies.append((target, firsts[index]))
             continue
-        if is_lossy(record):
+        if record.is_lossy:
             lossy_targets[index] = target
         elif (view := _direct_view(target)) is not None:
             dests[index] = view
@@ -221,7 +226,7 @@ def restore_into(vault: Vault, manifest: dict[str, Any], into: Any, strict: bool
         firsts[index] = target
     if strict:
         _check_no_extra(saved, targets, prefix)
-    lossy = LossyReads(manifest["tensors"], lossy_targets)
+    lossy = LossyReads(manifest.tensors, lossy_targets)
     dests.update(lossy.dests())
     read_into(vault, manifest, dests, progress, temps.copy_in)
     for i, target in lossy_targets.items():
@@ -250,9 +255,9 @@ class ThroughTemps:
         self._free: dict[tuple[str, str, tuple[int, ...]], list[Any]] = defaultdict(list)
         self._lock = threading.Lock()
 
-    def add(self, index: Dest, target: Any, record: dict[str, Any]) -> Callable[[], memoryview]:
+    def add(self, index: Dest, target: Any, record: TensorRecord) -> Callable[[], memoryview]:
         kind = "torch" if isinstance(target, torch.Tensor) else "numpy"
-        self._targets[index] = (target, (kind, record["dtype"], tuple(record["shape"])))
+        self._targets[index] = (target, (kind, record.dtype, record.shape))
         return functools.partial(self._make, index)
 
     def _make(self, index: Dest) -> memoryview:
@@ -281,11 +286,11 @@ def _copy(target: Any, source: Any) -> None:
     target.copy_(source) if isinstance(target, torch.Tensor) else np.copyto(target, source)
 
 
-def _saved_array_paths(manifest: dict[str, Any]) -> dict[str, int]:
+def _saved_array_paths(manifest: Manifest) -> dict[str, int]:
     """Key path -> record index of every saved array, tied aliases (one record, several paths) included."""
-    kinds = [t["kind"] for t in manifest["tensors"]]
+    kinds = [t.kind for t in manifest.tensors]
     out = {}
-    for path, node in leaf_paths(manifest["tree"]).items():
+    for path, node in leaf_paths(manifest.tree).items():
         tag, index = next(iter(node.items()))
         if tag in ("tensor", "ndarray") and kinds[index] != "pickle":
             out[path] = index
@@ -298,11 +303,11 @@ def _same_memory(a: Any, b: Any) -> bool:
     return False
 
 
-def _check_target(record: dict[str, Any], path: str, target: Any) -> None:
+def _check_target(record: TensorRecord, path: str, target: Any) -> None:
     shape, dtype = list(target.shape), _dtype_name(target)
-    if shape != record["shape"] or dtype != record["dtype"]:
+    if shape != list(record.shape) or dtype != record.dtype:
         raise KeyMismatchError(
-            f"{path!r}: saved {record['dtype']}{record['shape']}, target is {dtype}{shape}; "
+            f"{path!r}: saved {record.dtype}{list(record.shape)}, target is {dtype}{shape}; "
             "restore without into= and convert, or fix the target"
         )
 
@@ -365,10 +370,10 @@ def _leaf_indices(tree: dict[str, Any], selected: set[str] | None) -> set[int]:
     return out
 
 
-def _finish(record: dict[str, Any], value: Any) -> Any:
-    if record["kind"] == "numpy":
-        return finish_ndarray(value, record["dtype"])
-    if record["kind"] == "torch" and record.get("requires_grad"):
+def _finish(record: TensorRecord, value: Any) -> Any:
+    if record.kind == "numpy":
+        return finish_ndarray(value, record.dtype)
+    if record.kind == "torch" and record.requires_grad:
         return torch.nn.Parameter(value, requires_grad=True)
     return value
 

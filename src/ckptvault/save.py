@@ -21,7 +21,7 @@ import math
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -31,10 +31,11 @@ from .codecs import BytePlanes, PlaneDelta, chain_for
 from .delta import BaseRef, DeltaContext, find_bases
 from .delta_io import base_planes_for_save
 from .errors import CorruptChunkError, InvalidArgumentError, ObjectNotFoundError, SaveError, StepExistsError
-from .format import FORMAT_VERSION
+from .format import FORMAT_VERSION, records
 from .format.chunk_object import CHUNKS_PREFIX, ChunkHeader, chunk_id, chunk_key, object_parts
 from .format.manifest import encode_manifest, manifest_key
-from .format.schema import MANIFEST_FORMAT, MAX_DEPTH, MAX_STEP, too_deep
+from .format.records import ChunkRef, LossyInfo, Manifest, TensorRecord
+from .format.schema import MAX_DEPTH, MAX_STEP, too_deep
 from .guard import ManifestGuard
 from .layout import ChunkPlan, LeafSpec, Piece, plan_chunks
 from .parallel import map_all
@@ -92,7 +93,7 @@ def write_chunks(vault: Vault, snapshot: Snapshot, progress: Progress | None = N
                  delta: DeltaContext | None = None) -> tuple[list[ChunkResult], list[list[Piece]]]:
     """Write every chunk of ``snapshot`` the vault lacks. Returns chunk results and per-leaf pieces."""
     delta = delta or DeltaContext()
-    chunk_size = vault.require()["chunk_size"]
+    chunk_size = vault.require().chunk_size
     specs = [LeafSpec(r.nbytes, r.itemsize, r.codec) for r in snapshot.records]
     plans, pieces = plan_chunks(specs, chunk_size, pack_threshold(chunk_size))
     bases = find_bases(plans, snapshot.records, delta.keyframe) if delta.keyframe else [None] * len(plans)
@@ -248,77 +249,73 @@ class _ChunkWriter:
 
 def build_manifest(step: int, snapshot: Snapshot, chunks: list[ChunkResult], pieces: list[list[Piece]],
                    metrics: dict[str, Any] | None, metadata: dict[str, Any] | None,
-                   keyframe_step: int | None = None, since_keyframe: int = 0) -> dict[str, Any]:
-    """The manifest body: every tensor, the unique chunks they use, and the statistics.
+                   keyframe_step: int | None = None, since_keyframe: int = 0) -> Manifest:
+    """The manifest: every tensor, the unique chunks they use, and the statistics.
 
     ``keyframe_step`` is the keyframe whose chunks this checkpoint's deltas are
     against (None: this checkpoint is a keyframe); ``since_keyframe`` counts
     checkpoints since it.
     """
-    chunk_table = _ChunkTable()
-    remap = [chunk_table.add(vars(result)) for result in chunks]
-    tensors = [_tensor_entry(record, leaf_pieces, remap, chunk_table)
-               for record, leaf_pieces in zip(snapshot.records, pieces, strict=True)]
-    table = chunk_table.entries
-    body = {
-        "format": MANIFEST_FORMAT, "version": FORMAT_VERSION, "step": step, "time": time.time(),
-        "writer": f"ckptvault {__version__}", "hash": "blake3", "pickle": snapshot.allow_pickle and any(
-            r.kind == "pickle" for r in snapshot.records),
-        "logical_bytes": snapshot.logical_bytes, "stored_bytes": sum(c["stored"] for c in table),
-        "added_bytes": sum(c["stored"] for c in table if c["new"]),
-        "metrics": json_fields(metrics, "metrics"), "metadata": json_fields(metadata, "metadata"),
-        "keyframe_step": step if keyframe_step is None else keyframe_step,
-        "since_keyframe": 0 if keyframe_step is None else since_keyframe,
-        "tree": snapshot.tree, "tensors": tensors, "chunks": table,
-    }
-    requires = [feature for feature, used in (("lossy", any(t.get("lossy") for t in tensors)),
-                                              ("xplanes", any(c.get("base") for c in table))) if used]
-    if requires:  # a reader without these must refuse, not misread (DESIGN §4)
-        body["requires"] = requires
-    return body
+    table = _ChunkTable()
+    remap = [table.add(ChunkRef(c.id, c.raw, c.stored, c.new, c.base)) for c in chunks]
+    tensors = tuple(_tensor_record(record, leaf_pieces, remap, table)
+                    for record, leaf_pieces in zip(snapshot.records, pieces, strict=True))
+    requires = tuple(feature for feature, used in (("lossy", any(t.lossy is not None for t in tensors)),
+                                                   ("xplanes", any(c.base for c in table.entries))) if used)
+    return Manifest(  # a reader without the features in ``requires`` must refuse, not misread (DESIGN §4)
+        step=step, time=time.time(), writer=f"ckptvault {__version__}",
+        pickle=snapshot.allow_pickle and any(r.kind == "pickle" for r in snapshot.records),
+        logical_bytes=snapshot.logical_bytes, stored_bytes=sum(c.stored for c in table.entries),
+        added_bytes=sum(c.stored for c in table.entries if c.new),
+        metrics=json_fields(metrics, "metrics"), metadata=json_fields(metadata, "metadata"),
+        keyframe_step=step if keyframe_step is None else keyframe_step,
+        since_keyframe=0 if keyframe_step is None else since_keyframe,
+        tree=snapshot.tree, tensors=tensors, chunks=tuple(table.entries), requires=requires, version=FORMAT_VERSION)
 
 
 class _ChunkTable:
     """The manifest's list of unique chunks, built by adding references."""
 
     def __init__(self) -> None:
-        self.entries: list[dict[str, Any]] = []
+        self.entries: list[ChunkRef] = []
         self._index: dict[str, int] = {}
 
-    def add(self, chunk: dict[str, Any]) -> int:
-        """Index of ``chunk`` (``id``, ``raw``, ``stored``, ``new``, ``base``) in the table, adding it if new."""
-        index = self._index.get(chunk["id"])
+    def add(self, chunk: ChunkRef) -> int:
+        """Index of ``chunk`` in the table, adding it if new (a chunk this save wrote stays marked new)."""
+        index = self._index.get(chunk.id)
         if index is None:
-            entry = {k: chunk[k] for k in ("id", "raw", "stored", "new")}
-            if chunk.get("base") is not None:
-                entry["base"] = chunk["base"]
-            index = self._index[chunk["id"]] = len(self.entries)
-            self.entries.append(entry)
-        elif chunk["new"]:
-            self.entries[index]["new"] = True
+            index = self._index[chunk.id] = len(self.entries)
+            self.entries.append(chunk)
+        elif chunk.new and not self.entries[index].new:
+            self.entries[index] = replace(self.entries[index], new=True)
         return index
 
 
-def _tensor_entry(record: ArrayRecord, pieces: list[Piece], remap: list[int], table: _ChunkTable) -> dict[str, Any]:
-    entry: dict[str, Any] = {
-        "path": record.path, "kind": record.kind, "dtype": record.dtype, "shape": record.shape,
-        "global_shape": record.shape, "offsets": [0] * len(record.shape), "nbytes": record.nbytes,
-        "codec": record.codec, "pieces": [[remap[p.chunk], p.offset, p.length] for p in pieces],
-    }
-    if record.requires_grad:
-        entry["requires_grad"] = True
-    if record.device != "cpu":
-        entry["device"] = record.device
-    if record.lossy is not None:
-        lossy = dict(record.lossy)
-        if "base_pieces" in lossy:  # residuals reference the keyframe's exact copy: keep those chunks live
-            lossy["base_pieces"] = [[table.add({**p["chunk"], "new": False}), p["offset"], p["length"]]
-                                    for p in lossy["base_pieces"]]
-        entry["lossy"] = lossy
-    return entry
+def _tensor_record(record: ArrayRecord, pieces: list[Piece], remap: list[int], table: _ChunkTable) -> TensorRecord:
+    return TensorRecord(
+        path=record.path, kind=record.kind, dtype=record.dtype, shape=tuple(record.shape), nbytes=record.nbytes,
+        codec=record.codec, pieces=tuple(records.Piece(remap[p.chunk], p.offset, p.length) for p in pieces),
+        global_shape=tuple(record.shape), offsets=(0,) * len(record.shape), requires_grad=record.requires_grad,
+        device=None if record.device == "cpu" else record.device,
+        lossy=None if record.lossy is None else _lossy_info(record.lossy, table))
 
 
-def commit(vault: Vault, step: int, manifest: dict[str, Any], overwrite: bool, guard: ManifestGuard | None = None
+def _lossy_info(lossy: dict[str, Any], table: _ChunkTable) -> LossyInfo:
+    """The manifest's form of the lossy description a save made (``lossy_stage``); a residual's keyframe copy
+    is named in this manifest's own chunk table, so its chunks stay live (DESIGN §12, L4)."""
+    base_pieces = None
+    if "base_pieces" in lossy:
+        base_pieces = tuple(records.Piece(table.add(replace(p["chunk"], new=False)), p["offset"], p["length"])
+                            for p in lossy["base_pieces"])
+    stored_shape = lossy.get("stored_shape")
+    return LossyInfo(codec=lossy["codec"], block=lossy.get("block"), stored_dtype=lossy.get("stored_dtype"),
+                     stored_shape=None if stored_shape is None else tuple(stored_shape),
+                     original_nbytes=lossy.get("original_nbytes"), error=lossy.get("error"),
+                     notes=tuple(lossy.get("notes", ())), parts=dict(lossy.get("parts", {})),
+                     base_step=lossy.get("base_step"), base_pieces=base_pieces, requested=lossy.get("requested"))
+
+
+def commit(vault: Vault, step: int, manifest: Manifest, overwrite: bool, guard: ManifestGuard | None = None
            ) -> None:
     """Make the checkpoint visible. Atomic: afterwards it is either fully committed or absent.
 
@@ -332,7 +329,7 @@ def commit(vault: Vault, step: int, manifest: dict[str, Any], overwrite: bool, g
     """
     if guard is not None:
         guard.ensure(vault.store, vault.pool)
-    needed = sorted({c["id"] for c in manifest["chunks"]} | {c["base"] for c in manifest["chunks"] if c.get("base")})
+    needed = sorted({c.id for c in manifest.chunks} | {c.base for c in manifest.chunks if c.base})
     missing = missing_chunks(vault, needed)
     if missing:
         raise SaveError(
@@ -345,7 +342,7 @@ def commit(vault: Vault, step: int, manifest: dict[str, Any], overwrite: bool, g
         vault.store.put(key, data)
     elif not vault.store.put_if_absent(key, data):
         raise StepExistsError(step, vault.url)
-    log.info("committed step %d to %s (%d bytes added)", step, vault.url, manifest["added_bytes"])
+    log.info("committed step %d to %s (%d bytes added)", step, vault.url, manifest.added_bytes)
 
 
 def missing_chunks(vault: Vault, ids: list[str]) -> list[str]:

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
 
 from .errors import VaultError
 from .format.chunk_object import chunk_key
 from .format.keys import chunk_id_of_key
 from .format.manifest import step_of_key
+from .format.records import Manifest
 from .vault import Vault
 
 
@@ -105,12 +105,12 @@ class References:
     bases: set[str] = field(default_factory=set)
     unreadable: dict[int, str] = field(default_factory=dict)
 
-    def add(self, manifest: dict[str, Any]) -> None:
-        """Record the chunks (and delta bases) one manifest body needs."""
-        for chunk in manifest["chunks"]:
-            self.raw[chunk["id"]] = chunk["raw"]
-            if chunk.get("base"):
-                self.bases.add(chunk["base"])
+    def add(self, manifest: Manifest) -> None:
+        """Record the chunks (and delta bases) one manifest needs."""
+        for chunk in manifest.chunks:
+            self.raw[chunk.id] = chunk.raw
+            if chunk.base:
+                self.bases.add(chunk.base)
 
     @property
     def ids(self) -> set[str]:
@@ -141,7 +141,7 @@ def vault_usage(vault: Vault) -> VaultUsage:
         except VaultError as exc:
             usage.damaged[step] = str(exc)
             continue
-        usage.steps.append(StepUsage(step, manifest["logical_bytes"], manifest["stored_bytes"], manifest["added_bytes"]))
+        usage.steps.append(StepUsage(step, manifest.logical_bytes, manifest.stored_bytes, manifest.added_bytes))
         refs.add(manifest)
     usage.unique_raw_bytes = sum(refs.raw.values())
     needed = {chunk_key(cid) for cid in refs.ids}

@@ -35,7 +35,8 @@ from .errors import (
 from .format import FORMAT_VERSION
 from .format.chunk_object import chunk_id, chunk_key, decode_payload, header_length, parse_object, read_object
 from .format.manifest import decode_manifest, manifest_key, parse_json, step_of_key
-from .format.schema import MAX_CHUNK_SIZE, MIN_CHUNK_SIZE, VAULT_FORMAT, check_descriptor
+from .format.records import Descriptor, Manifest
+from .format.schema import MAX_CHUNK_SIZE, MIN_CHUNK_SIZE, check_descriptor
 from .stores import Store, open_store
 
 log = logging.getLogger(__name__)
@@ -65,10 +66,10 @@ class Vault:
         self.workers = workers or max(default_workers(), getattr(self.store, "preferred_workers", 0))
         self._pool: ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
-        self._descriptor: dict[str, Any] | None = None
+        self._descriptor: Descriptor | None = None
 
     # -- descriptor --------------------------------------------------------
-    def descriptor(self) -> dict[str, Any] | None:
+    def descriptor(self) -> Descriptor | None:
         """The vault descriptor, or None if no vault exists at the URL yet."""
         if self._descriptor is None:
             try:
@@ -78,7 +79,7 @@ class Vault:
             self._descriptor = _parse_descriptor(raw, self.url)
         return self._descriptor
 
-    def require(self) -> dict[str, Any]:
+    def require(self) -> Descriptor:
         """The descriptor; raises VaultNotFoundError if there is no vault."""
         desc = self.descriptor()
         if desc is None:
@@ -89,7 +90,7 @@ class Vault:
         """Chunk size of a new vault when none is given: the store's preference (S3: 16 MiB), else 4 MiB."""
         return int(getattr(self.store, "preferred_chunk_size", 0) or DEFAULT_CHUNK_SIZE)
 
-    def create(self, chunk_size: int | None = None, codec: str = DEFAULT_CODEC) -> dict[str, Any]:
+    def create(self, chunk_size: int | None = None, codec: str = DEFAULT_CODEC) -> Descriptor:
         """Create the descriptor unless it exists (safe when several processes race); return it.
         ``chunk_size`` None: :meth:`default_chunk_size`."""
         chunk_size = self.default_chunk_size() if chunk_size is None else chunk_size
@@ -99,9 +100,8 @@ class Vault:
             raise InvalidArgumentError(
                 f"chunk_size must be a multiple of 64 between {MIN_CHUNK_SIZE} and {MAX_CHUNK_SIZE}, got {chunk_size}"
             )
-        desc = {"format": VAULT_FORMAT, "version": FORMAT_VERSION, "chunk_size": chunk_size,
-                "codec": validate_codec_name(codec), "hash": "blake3", "created": time.time()}
-        if not self.store.put_if_absent(DESCRIPTOR_KEY, json.dumps(desc, indent=1).encode()):
+        desc = Descriptor(chunk_size, validate_codec_name(codec), time.time(), FORMAT_VERSION)
+        if not self.store.put_if_absent(DESCRIPTOR_KEY, json.dumps(desc.to_json(), indent=1).encode()):
             self._descriptor = None
             return self.require()
         self._descriptor = desc
@@ -113,7 +113,7 @@ class Vault:
         found = (step_of_key(info.key) for info in self.store.list("manifests/"))
         return sorted(s for s in found if s is not None)
 
-    def read_manifest(self, step: int) -> dict[str, Any]:
+    def read_manifest(self, step: int) -> Manifest:
         """The verified manifest of ``step``; StepNotFoundError if not committed."""
         self.descriptor()  # raises FormatVersionError for a vault of a newer format before anything is read
         try:
@@ -121,11 +121,11 @@ class Vault:
         except ObjectNotFoundError:
             self.require()
             raise StepNotFoundError(step, self.url, self.steps()) from None
-        return decode_manifest(data, f"{manifest_key(step)} in {self.url}", step, self.require()["chunk_size"])
+        return decode_manifest(data, f"{manifest_key(step)} in {self.url}", step, self.require().chunk_size)
 
     def chunk_size(self) -> int:
         """The vault's chunk size: no chunk of it holds more raw bytes, so no reader decodes more per chunk."""
-        return int(self.require()["chunk_size"])
+        return self.require().chunk_size
 
     def read_chunk(self, cid: str, *, expected_raw: int | None = None) -> bytes | memoryview:
         """Raw bytes of a chunk, verified against its hash; a delta is applied to its base.
@@ -193,6 +193,6 @@ class Vault:
         self.store.close()
 
 
-def _parse_descriptor(raw: bytes, url: str) -> dict[str, Any]:
+def _parse_descriptor(raw: bytes, url: str) -> Descriptor:
     what = f"{DESCRIPTOR_KEY} in {url}"
     return check_descriptor(parse_json(raw, what, CorruptManifestError), what)

@@ -35,9 +35,9 @@ def verify_steps(vault: Vault, steps: list[int], progress: Callable[[int], None]
         except VaultError as exc:
             report.problems.setdefault(step, []).append(str(exc))
             continue
-        for chunk in manifest["chunks"]:
-            users.setdefault(chunk["id"], []).append(step)
-            sizes[chunk["id"]] = chunk["raw"]
+        for chunk in manifest.chunks:
+            users.setdefault(chunk.id, []).append(step)
+            sizes[chunk.id] = chunk.raw
 
     def check(cid: str) -> str | None:
         try:

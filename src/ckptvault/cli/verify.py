@@ -62,7 +62,7 @@ def _bytes_to_check(mgr: CheckpointManager, steps: list[int]) -> int | None:
     sizes: dict[str, int] = {}
     try:
         for step in steps:
-            sizes.update((c["id"], c["raw"]) for c in mgr.vault.read_manifest(step)["chunks"])
+            sizes.update((c.id, c.raw) for c in mgr.vault.read_manifest(step).chunks)
     except VaultError:
         return None
     return sum(sizes.values())

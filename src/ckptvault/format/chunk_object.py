@@ -146,6 +146,8 @@ def _checked_header(cid: str, body: dict[str, Any], max_raw: int | None, expecte
         check_chain(body["codec"])
     except (TypeError, ValueError) as exc:
         raise CorruptChunkError(cid, f"header field 'codec' {exc}") from None
+    except FormatVersionError as exc:  # an unknown stage id: name the chunk, as every chunk error does
+        raise FormatVersionError(f"chunk {cid}: header field 'codec': {exc}") from None
     return ChunkHeader(codec=body["codec"], raw=_checked_raw(cid, body["raw"], max_raw, expected_raw),
                        base=_checked_base(cid, body["base"]))
 

@@ -18,6 +18,7 @@ import blake3
 
 from ..errors import CorruptManifestError
 from .keys import step_of_manifest_key
+from .records import Manifest
 from .schema import MAX_CHUNK_SIZE, check_manifest
 
 _PREFIX = b'{"blake3":"'
@@ -35,15 +36,17 @@ def step_of_key(key: str) -> int | None:
     return step_of_manifest_key(key)
 
 
-def encode_manifest(body: dict[str, Any]) -> bytes:
-    """Serialise a manifest body with its checksum."""
+def encode_manifest(body: dict[str, Any] | Manifest) -> bytes:
+    """Serialise a manifest (or a manifest body, as JSON) with its checksum."""
+    if isinstance(body, Manifest):
+        body = body.to_json()
     data = json.dumps(body, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
     digest = blake3.blake3(data).hexdigest().encode()
     return b"".join((_PREFIX, digest, _MIDDLE, data, b"}"))
 
 
 def decode_manifest(data: bytes, where: str, step: int | None = None,
-                    chunk_size: int = MAX_CHUNK_SIZE) -> dict[str, Any]:
+                    chunk_size: int = MAX_CHUNK_SIZE) -> Manifest:
     """Verify, parse and check a manifest (``format.schema``) of ``step`` (None: any) in a vault of ``chunk_size``;
     ``where`` names it in messages. Raises CorruptManifestError or FormatVersionError."""
     if len(data) <= _BODY_START or not data.startswith(_PREFIX) or data[_BODY_START - len(_MIDDLE) : _BODY_START] != _MIDDLE:

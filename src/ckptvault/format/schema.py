@@ -25,6 +25,7 @@ import torch
 
 from ..errors import CorruptManifestError, FormatVersionError
 from . import FORMAT_VERSION
+from .records import ChunkRef, Descriptor, LossyInfo, Manifest, Piece, TensorRecord
 
 MANIFEST_FORMAT = "ckptvault.manifest"
 VAULT_FORMAT = "ckptvault.vault"
@@ -106,14 +107,15 @@ class _Fields:
 
 # -- vault.json ---------------------------------------------------------------
 
-def check_descriptor(desc: Any, what: str) -> dict[str, Any]:
-    """``desc`` (the parsed ``vault.json``) if it describes a vault this reader can use; ``what`` names the file
-    in messages. Raises CorruptManifestError, or FormatVersionError for a newer format."""
+def check_descriptor(desc: Any, what: str) -> Descriptor:
+    """The :class:`Descriptor` that ``desc`` (the parsed ``vault.json``) gives, if it describes a vault this
+    reader can use; ``what`` names the file in messages. Raises CorruptManifestError, or FormatVersionError for a
+    newer format."""
     f = _Fields(what)
     desc = f.dict(desc, "")
     if desc.get("format") != VAULT_FORMAT:
         f.fail("format", f"is {_short(desc.get('format'))}, not {VAULT_FORMAT!r}: this is not a ckptvault vault")
-    _check_version(f, f.required(desc, "version"), "vault")
+    version = _check_version(f, f.required(desc, "version"), "vault")
     size = f.int(f.required(desc, "chunk_size"), "chunk_size", MIN_CHUNK_SIZE, MAX_CHUNK_SIZE)
     if size % 64:
         f.fail("chunk_size", f"is {size}, not a multiple of 64")
@@ -126,64 +128,73 @@ def check_descriptor(desc: Any, what: str) -> dict[str, Any]:
         validate_codec_name(codec)
     except ValueError as exc:
         f.fail("codec", f"{codec!r} is not a codec ({exc})")
-    if "created" in desc:
-        f.number(desc["created"], "created")
-    return desc
+    created = f.number(desc["created"], "created") if "created" in desc else None
+    return Descriptor(size, codec, created, version)
 
 
-def _check_version(f: _Fields, version: Any, what: str) -> None:
+def _check_version(f: _Fields, version: Any, what: str) -> int:
     f.int(version, "version")
     if version > FORMAT_VERSION:
         f.fail("version", f"is {version}: this {what} uses a newer format than this ckptvault reads "
                           f"(up to {FORMAT_VERSION}); upgrade ckptvault", FormatVersionError)
+    return version
 
 
 # -- manifests ----------------------------------------------------------------
 
-def check_manifest(body: Any, what: str, step: int | None = None, chunk_size: int = MAX_CHUNK_SIZE) -> dict[str, Any]:
-    """``body`` (a parsed manifest body) if it is a well-formed manifest of ``step`` (None: any) in a vault of
-    ``chunk_size``; ``what`` names the file in messages. Raises CorruptManifestError, or FormatVersionError
-    for a newer version or an unknown required feature."""
+def check_manifest(body: Any, what: str, step: int | None = None, chunk_size: int = MAX_CHUNK_SIZE) -> Manifest:
+    """The :class:`Manifest` that ``body`` (a parsed manifest body) describes, if it is a well-formed manifest of
+    ``step`` (None: any) in a vault of ``chunk_size``; ``what`` names the file in messages. Raises
+    CorruptManifestError, or FormatVersionError for a newer version or an unknown required feature."""
     f = _Fields(what)
     body = f.dict(body, "")
     if body.get("format") != MANIFEST_FORMAT:
         f.fail("format", f"is {_short(body.get('format'))}, not {MANIFEST_FORMAT!r}")
-    _check_version(f, f.required(body, "version"), "manifest")
-    _check_requires(f, body.get("requires", []))
-    _check_header(f, body, step)
+    version = _check_version(f, f.required(body, "version"), "manifest")
+    requires = _check_requires(f, body.get("requires", []))
+    header = _check_header(f, body, step)
     chunks = _check_chunks(f, f.list(f.required(body, "chunks"), "chunks"), chunk_size)
-    tensors = f.list(f.required(body, "tensors"), "tensors")
+    raws = [chunk.raw for chunk in chunks]
+    tensors = tuple(_check_record(f, record, f"tensors[{i}]", raws)
+                    for i, record in enumerate(f.list(f.required(body, "tensors"), "tensors")))
     for i, record in enumerate(tensors):
-        _check_record(f, record, f"tensors[{i}]", tensors, chunks)
-    _check_tree(f, f.required(body, "tree"), tensors)
-    return body
+        if record.is_lossy:
+            _check_parts(f, record, f"tensors[{i}].lossy.parts", tensors)
+    tree = f.required(body, "tree")
+    _check_tree(f, tree, tensors)
+    return Manifest(tree=tree, tensors=tensors, chunks=chunks, requires=requires, version=version, **header)
 
 
-def _check_requires(f: _Fields, requires: Any) -> None:
-    names = [f.str(name, f"requires[{i}]") for i, name in enumerate(f.list(requires, "requires"))]
+def _check_requires(f: _Fields, requires: Any) -> tuple[str, ...]:
+    names = tuple(f.str(name, f"requires[{i}]") for i, name in enumerate(f.list(requires, "requires")))
     unknown = sorted(set(names) - KNOWN_FEATURES)
     if unknown:
         f.fail("requires", f"names features {unknown} this ckptvault does not know: upgrade ckptvault",
                FormatVersionError)
+    return names
 
 
-def _check_header(f: _Fields, body: dict[str, Any], step: int | None) -> None:
-    """The scalar fields: step, time, sizes, keyframe, user metrics and metadata."""
+def _check_header(f: _Fields, body: dict[str, Any], step: int | None) -> dict[str, Any]:
+    """The scalar fields (step, time, sizes, keyframe, user metrics and metadata), as Manifest keywords: every
+    field version 1 writes is required (only ``requires`` is optional)."""
     found = f.int(f.required(body, "step"), "step", 0, MAX_STEP)
     if step is not None and found != step:
         f.fail("step", f"is {found}, but the file is the manifest of step {step}")
-    f.number(f.required(body, "time"), "time")
-    if "writer" in body:
-        f.str(body["writer"], "writer")
-    if body.get("hash", HASH_NAME) != HASH_NAME:
+    if f.required(body, "hash") != HASH_NAME:
         f.fail("hash", f"is {_short(body['hash'])}; format version 1 names chunks by {HASH_NAME!r} only")
-    f.bool(body.get("pickle", False), "pickle")
+    out: dict[str, Any] = {"step": found, "time": f.number(f.required(body, "time"), "time"),
+                           "writer": f.str(f.required(body, "writer"), "writer"),
+                           "pickle": f.bool(f.required(body, "pickle"), "pickle"),
+                           "keyframe_step": f.int(f.required(body, "keyframe_step"), "keyframe_step", 0, MAX_STEP),
+                           "since_keyframe": f.int(f.required(body, "since_keyframe"), "since_keyframe")}
     for name in ("logical_bytes", "stored_bytes", "added_bytes"):
-        f.int(f.required(body, name), name)
-    f.int(body.get("keyframe_step", found), "keyframe_step", 0, MAX_STEP)
-    f.int(body.get("since_keyframe", 0), "since_keyframe")
+        out[name] = f.int(f.required(body, name), name)
     for name in ("metrics", "metadata"):
-        _check_json_depth(f, f.dict(body.get(name, {}), name), name)
+        out[name] = f.dict(f.required(body, name), name)
+        _check_json_depth(f, out[name], name)
+    if type(body["time"]) is int:  # keep the number as written, so encoding gives the same bytes
+        out["time"] = body["time"]
+    return out
 
 
 def _check_json_depth(f: _Fields, value: Any, field: str) -> None:
@@ -206,51 +217,47 @@ def too_deep(value: Any, limit: int = MAX_DEPTH) -> bool:
     return False
 
 
-def _check_chunks(f: _Fields, chunks: list[Any], chunk_size: int) -> list[int]:
-    """Check the chunk table; returns each chunk's raw length, for the pieces that point into it."""
-    raws = []
+def _check_chunks(f: _Fields, chunks: list[Any], chunk_size: int) -> tuple[ChunkRef, ...]:
+    out = []
     for i, entry in enumerate(chunks):
         at = f"chunks[{i}]"
         entry = f.dict(entry, at)
-        f.chunk_id(f.required(entry, "id", at), f"{at}.id")
-        raws.append(f.int(f.required(entry, "raw", at), f"{at}.raw", 1, chunk_size))
-        f.int(f.required(entry, "stored", at), f"{at}.stored")
-        f.bool(entry.get("new", False), f"{at}.new")
+        cid = f.chunk_id(f.required(entry, "id", at), f"{at}.id")
+        base = None
         if entry.get("base") is not None:
             base = f.chunk_id(entry["base"], f"{at}.base")
-            if base == entry["id"]:
+            if base == cid:
                 f.fail(f"{at}.base", "names the chunk itself")
-    return raws
+        out.append(ChunkRef(cid, f.int(f.required(entry, "raw", at), f"{at}.raw", 1, chunk_size),
+                            f.int(f.required(entry, "stored", at), f"{at}.stored"),
+                            f.bool(entry.get("new", False), f"{at}.new"), base))
+    return tuple(out)
 
 
-def _check_record(f: _Fields, record: Any, at: str, tensors: list[Any], chunks: list[int]) -> None:
+def _check_record(f: _Fields, record: Any, at: str, chunks: list[int]) -> TensorRecord:
     """One tensor record: its kind, dtype and shape, and pieces that hold exactly its stored bytes."""
     record = f.dict(record, at)
-    f.str(f.required(record, "path", at), f"{at}.path")
     kind = f.required(record, "kind", at)
     if kind not in ("torch", "numpy", "pickle", "part"):
         f.fail(f"{at}.kind", f"is {_short(kind)}; one of 'torch', 'numpy', 'pickle', 'part'")
-    itemsize = _itemsize(f, kind, f.required(record, "dtype", at), f"{at}.dtype")
+    dtype = f.required(record, "dtype", at)
+    itemsize = _itemsize(f, kind, dtype, f"{at}.dtype")
     shape = _shape(f, f.required(record, "shape", at), f"{at}.shape")
-    for name in ("global_shape", "offsets"):
-        if name in record:
-            _shape(f, record[name], f"{at}.{name}")
-    f.str(f.required(record, "codec", at), f"{at}.codec")
-    for name, check in (("requires_grad", f.bool), ("device", f.str)):
-        if name in record:
-            check(record[name], f"{at}.{name}")
     nbytes = f.int(f.required(record, "nbytes", at), f"{at}.nbytes")
-    held = _pieces(f, f.required(record, "pieces", at), f"{at}.pieces", chunks)
+    pieces, held = _pieces(f, f.required(record, "pieces", at), f"{at}.pieces", chunks)
     if held != nbytes:
         f.fail(f"{at}.pieces", f"hold {held} bytes, but the record's nbytes is {nbytes}")
-    lossy = record.get("lossy")
-    if lossy is not None and lossy.get("codec") != "lossless":
-        _check_lossy(f, f.dict(lossy, f"{at}.lossy"), f"{at}.lossy", shape, itemsize, nbytes, tensors, chunks)
-    elif math.prod(shape) * itemsize != nbytes:
-        f.fail(f"{at}.shape", f"{shape} of {record['dtype']} is {math.prod(shape) * itemsize} bytes, "
+    lossy = _check_lossy(f, f.dict(record["lossy"], f"{at}.lossy"), f"{at}.lossy", shape, itemsize, nbytes, chunks
+                         ) if record.get("lossy") is not None else None
+    if (lossy is None or not lossy.is_lossy) and math.prod(shape) * itemsize != nbytes:
+        f.fail(f"{at}.shape", f"{list(shape)} of {dtype} is {math.prod(shape) * itemsize} bytes, "
                               f"but the pieces hold {nbytes}")
-    elif lossy is not None:
-        _check_lossless_fallback(f, f.dict(lossy, f"{at}.lossy"), f"{at}.lossy")
+    optional = {name: _shape(f, record[name], f"{at}.{name}") for name in ("global_shape", "offsets") if name in record}
+    return TensorRecord(
+        path=f.str(f.required(record, "path", at), f"{at}.path"), kind=kind, dtype=dtype, shape=shape, nbytes=nbytes,
+        codec=f.str(f.required(record, "codec", at), f"{at}.codec"), pieces=pieces,
+        requires_grad=f.bool(record.get("requires_grad", False), f"{at}.requires_grad"),
+        device=f.str(record["device"], f"{at}.device") if "device" in record else None, lossy=lossy, **optional)
 
 
 def _itemsize(f: _Fields, kind: str, dtype: Any, field: str) -> int:
@@ -268,7 +275,7 @@ def _itemsize(f: _Fields, kind: str, dtype: Any, field: str) -> int:
         if dtype not in ("|u1", "uint8"):
             f.fail(field, f"is {_short(dtype)}; pickled bytes are stored as uint8")
         return 1
-    itemsize = _torch_itemsizes().get(dtype)
+    itemsize = _TORCH_ITEMSIZES.get(dtype)
     if itemsize is None:
         f.fail(field, f"{_short(dtype)} is not a torch dtype this torch {torch.__version__} can hold",
                FormatVersionError)
@@ -282,23 +289,20 @@ _TORCH_ITEMSIZES: dict[str, int] = {
 }
 
 
-def _torch_itemsizes() -> dict[str, int]:
-    return _TORCH_ITEMSIZES
-
-
-def _shape(f: _Fields, shape: Any, field: str) -> list[int]:
+def _shape(f: _Fields, shape: Any, field: str) -> tuple[int, ...]:
     dims = f.list(shape, field)
     if len(dims) > MAX_DIMS:
         f.fail(field, f"has {len(dims)} dimensions, more than {MAX_DIMS}")
     for i, dim in enumerate(dims):
         if type(dim) is not int or not 0 <= dim < 1 << 62:
             f.fail(field, f"dimension {i} is {_short(dim)}: dimensions are integers from 0 to 2**62")
-    return dims
+    return tuple(dims)
 
 
-def _pieces(f: _Fields, pieces: Any, field: str, chunks: list[int]) -> int:
-    """Check ``[chunk index, offset, length]`` pieces against the chunk table; returns the bytes they hold."""
-    total = 0
+def _pieces(f: _Fields, pieces: Any, field: str, chunks: list[int]) -> tuple[tuple[Piece, ...], int]:
+    """Check ``[chunk index, offset, length]`` pieces against the chunk table; returns them and the bytes they
+    hold."""
+    out, total = [], 0
     for i, piece in enumerate(f.list(pieces, field)):
         at = f"{field}[{i}]"
         if not isinstance(piece, list) or len(piece) != 3 or any(type(v) is not int for v in piece):
@@ -308,63 +312,72 @@ def _pieces(f: _Fields, pieces: Any, field: str, chunks: list[int]) -> int:
             f.fail(at, f"names chunk {chunk}, but the chunk table has {len(chunks)} entries")
         if offset < 0 or length < 1 or offset + length > chunks[chunk]:
             f.fail(at, f"bytes {offset}..{offset + length} lie outside chunk {chunk} of {chunks[chunk]} bytes")
+        out.append(Piece(chunk, offset, length))
         total += length
-    return total
+    return tuple(out), total
 
 
-def _check_lossy(f: _Fields, lossy: dict[str, Any], at: str, shape: list[int], itemsize: int, nbytes: int,
-                 tensors: list[Any], chunks: list[int]) -> None:
-    """A lossy record's stored form: the primary part's dtype and shape match its bytes, its scale part holds
-    one float32 per block, a residual's keyframe copy holds the original tensor's bytes."""
+def _check_lossy(f: _Fields, lossy: dict[str, Any], at: str, shape: tuple[int, ...], itemsize: int, nbytes: int,
+                 chunks: list[int]) -> LossyInfo:
+    """A lossy record's stored form: the primary part's dtype and shape match its bytes, a residual's keyframe
+    copy holds the original tensor's bytes (the parts are checked once every record is: :func:`_check_parts`)."""
     codec = f.required(lossy, "codec", at)
     if codec not in _LOSSY_CODECS:
-        f.fail(f"{at}.codec", f"is {_short(codec)}; one of {', '.join(_LOSSY_CODECS)}", FormatVersionError)
-    stored_size = _itemsize(f, "torch", f.required(lossy, "stored_dtype", at), f"{at}.stored_dtype")
+        f.fail(f"{at}.codec", f"is {_short(codec)}; one of {', '.join(_LOSSY_CODECS)}")  # a new one comes with `requires`
+    notes = tuple(f.str(note, f"{at}.notes[{i}]") for i, note in enumerate(f.list(lossy.get("notes", []), f"{at}.notes")))
+    if codec == "lossless":
+        requested = f.str(lossy["requested"], f"{at}.requested") if "requested" in lossy else None
+        return LossyInfo(codec, notes=notes, requested=requested)
+    stored_dtype = f.required(lossy, "stored_dtype", at)
+    stored_size = _itemsize(f, "torch", stored_dtype, f"{at}.stored_dtype")
     stored_shape = _shape(f, f.required(lossy, "stored_shape", at), f"{at}.stored_shape")
     if math.prod(stored_shape) * stored_size != nbytes:
-        f.fail(f"{at}.stored_shape", f"{stored_shape} of {lossy['stored_dtype']} is not the {nbytes} bytes stored")
+        f.fail(f"{at}.stored_shape", f"{list(stored_shape)} of {stored_dtype} is not the {nbytes} bytes stored")
     numel = math.prod(shape)
-    if f.int(f.required(lossy, "original_nbytes", at), f"{at}.original_nbytes") != numel * itemsize:
-        f.fail(f"{at}.original_nbytes", f"is {lossy['original_nbytes']}, but the shape {shape} holds {numel * itemsize}")
+    original = f.int(f.required(lossy, "original_nbytes", at), f"{at}.original_nbytes")
+    if original != numel * itemsize:
+        f.fail(f"{at}.original_nbytes", f"is {original}, but the shape {list(shape)} holds {numel * itemsize}")
     if math.prod(stored_shape) != numel:
         f.fail(f"{at}.stored_shape", f"holds {math.prod(stored_shape)} values, the tensor {numel}")
     parts = f.dict(lossy.get("parts", {}), f"{at}.parts")
-    if codec in _BLOCK_CODECS:
-        block = f.int(f.required(lossy, "block", at), f"{at}.block", 1, 1 << 30)
-        _check_scale_part(f, parts, f"{at}.parts", tensors, -(-numel // block))
-    elif parts:
+    block = f.int(f.required(lossy, "block", at), f"{at}.block", 1, 1 << 30) if codec in _BLOCK_CODECS else None
+    if codec not in _BLOCK_CODECS and parts:
         f.fail(f"{at}.parts", f"a {codec} record has no parts, this one names {sorted(parts)}")
+    base_step = base_pieces = None
     if codec == "residual-int8":
-        f.int(f.required(lossy, "base_step", at), f"{at}.base_step", 0, MAX_STEP)
-        held = _pieces(f, f.required(lossy, "base_pieces", at), f"{at}.base_pieces", chunks)
+        base_step = f.int(f.required(lossy, "base_step", at), f"{at}.base_step", 0, MAX_STEP)
+        base_pieces, held = _pieces(f, f.required(lossy, "base_pieces", at), f"{at}.base_pieces", chunks)
         if held != numel * itemsize:
             f.fail(f"{at}.base_pieces", f"hold {held} bytes, the keyframe copy needs {numel * itemsize}")
-    for i, note in enumerate(f.list(lossy.get("notes", []), f"{at}.notes")):
-        f.str(note, f"{at}.notes[{i}]")
-    for name, value in f.dict(lossy.get("error", {}), f"{at}.error").items():
+    return LossyInfo(codec, block, stored_dtype, stored_shape, original, _check_error(f, lossy, at), notes,
+                     {name: f.int(index, f"{at}.parts.{name}") for name, index in parts.items()}, base_step, base_pieces)
+
+
+def _check_error(f: _Fields, lossy: dict[str, Any], at: str) -> dict[str, Any]:
+    error = f.dict(lossy.get("error", {}), f"{at}.error")
+    for name, value in error.items():
         if value not in ("inf", "-inf", "nan") and (isinstance(value, (bool, str)) or not isinstance(value, (int, float))):
             f.fail(f"{at}.error.{name}", f"must be a number (or 'inf', '-inf', 'nan'), not {_short(value)}")
+    return error
 
 
-def _check_scale_part(f: _Fields, parts: dict[str, Any], at: str, tensors: list[Any], blocks: int) -> None:
-    index = f.int(f.required(parts, "scale", at), f"{at}.scale", 0, len(tensors) - 1)
+def _check_parts(f: _Fields, record: TensorRecord, at: str, tensors: tuple[TensorRecord, ...]) -> None:
+    """A block codec's scale part: a float32 part record holding one value per block."""
+    assert record.lossy is not None
+    if record.lossy.block is None:
+        return
+    index = f.int(f.required(record.lossy.parts, "scale", at), f"{at}.scale", 0, len(tensors) - 1)
     part = tensors[index]
-    if not isinstance(part, dict) or part.get("kind") != "part" or part.get("dtype") != "float32":
+    if part.kind != "part" or part.dtype != "float32":
         f.fail(f"{at}.scale", f"names tensors[{index}], which is not a float32 part record")
-    if math.prod(part.get("shape") or [0]) != blocks:
-        f.fail(f"{at}.scale", f"names tensors[{index}] of shape {_short(part.get('shape'))}; {blocks} scales are needed")
-
-
-def _check_lossless_fallback(f: _Fields, lossy: dict[str, Any], at: str) -> None:
-    if "requested" in lossy:
-        f.str(lossy["requested"], f"{at}.requested")
-    for i, note in enumerate(f.list(lossy.get("notes", []), f"{at}.notes")):
-        f.str(note, f"{at}.notes[{i}]")
+    blocks = -(-record.numel // record.lossy.block)
+    if part.numel != blocks:
+        f.fail(f"{at}.scale", f"names tensors[{index}] of shape {list(part.shape)}; {blocks} scales are needed")
 
 
 # -- the tree -----------------------------------------------------------------
 
-def _check_tree(f: _Fields, tree: Any, tensors: list[Any]) -> None:
+def _check_tree(f: _Fields, tree: Any, tensors: tuple[TensorRecord, ...]) -> None:
     """Every node of the state's skeleton (docs/DESIGN.md section 4), at most MAX_DEPTH containers deep, walked
     without recursion; leaf indices name records of the matching kind."""
     stack: list[tuple[Any, str, int]] = [(tree, "tree", 0)]
@@ -401,17 +414,17 @@ def _node(f: _Fields, node: Any, at: str) -> tuple[str, Any]:
         f.fail(at, f"must be a node with one tag, not {_short(sorted(node))}")
     tag = tags[0]
     if tag not in _LEAF_KINDS and tag not in _SCALAR_TAGS and tag not in ("dict", "odict", "list", "tuple"):
-        f.fail(at, f"has unknown node tag {_short(tag)}", FormatVersionError)
+        f.fail(at, f"has unknown node tag {_short(tag)}")  # version 1's tags are all known; new ones need `requires`
     return tag, node[tag]
 
 
-def _check_leaf(f: _Fields, tag: str, index: Any, at: str, tensors: list[Any]) -> None:
+def _check_leaf(f: _Fields, tag: str, index: Any, at: str, tensors: tuple[TensorRecord, ...]) -> None:
     f.int(index, f"{at}.{tag}", 0, len(tensors) - 1)
     record = tensors[index]
-    if record["kind"] != _LEAF_KINDS[tag]:
-        f.fail(f"{at}.{tag}", f"names tensors[{index}] of kind {record['kind']!r}; a {tag} node needs {_LEAF_KINDS[tag]!r}")
-    if tag == "npscalar" and record["shape"] != []:
-        f.fail(f"{at}.{tag}", f"names tensors[{index}] of shape {record['shape']}; a numpy scalar has shape []")
+    if record.kind != _LEAF_KINDS[tag]:
+        f.fail(f"{at}.{tag}", f"names tensors[{index}] of kind {record.kind!r}; a {tag} node needs {_LEAF_KINDS[tag]!r}")
+    if tag == "npscalar" and record.shape != ():
+        f.fail(f"{at}.{tag}", f"names tensors[{index}] of shape {list(record.shape)}; a numpy scalar has shape []")
 
 
 def _check_scalar(f: _Fields, tag: str, body: Any, at: str) -> None:
