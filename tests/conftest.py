@@ -153,3 +153,13 @@ def assert_same_state(expected: Any, actual: Any, path: str = "") -> None:
 
 def ordered(pairs: list[tuple[Any, Any]]) -> collections.OrderedDict[Any, Any]:
     return collections.OrderedDict(pairs)
+
+
+@pytest.fixture(scope="module")
+def worker() -> Any:
+    """A hostile-vault worker process (tests/hostile/worker.py) shared by a module's tests, closed after them."""
+    from hostile.worker import Worker
+
+    w = Worker()
+    yield w
+    w.close()

@@ -516,13 +516,6 @@ OPERATIONS = [
 
 
 @pytest.fixture(scope="module")
-def worker():  # type: ignore[no-untyped-def]
-    w = Worker()
-    yield w
-    w.close()
-
-
-@pytest.fixture(scope="module")
 def scratch(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("fuzz-vaults")
 

@@ -49,13 +49,6 @@ CASE_PARAMS = [pytest.param(case, command, id=f"{case['name']}-{command['id']}")
 
 
 @pytest.fixture(scope="module")
-def worker():  # type: ignore[no-untyped-def]
-    w = Worker()
-    yield w
-    w.close()
-
-
-@pytest.fixture(scope="module")
 def reference(worker: Worker, tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     """Digest of what each restore command returns from the pristine base vault."""
     vault = shutil.copytree(BASE_DIR, tmp_path_factory.mktemp("reference") / "vault")

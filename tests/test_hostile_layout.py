@@ -130,12 +130,18 @@ def other_files(folder: str) -> dict[str, bytes]:
 
 
 # -- key folders that are links leading outside ---------------------------------------------------------------------
-@pytest.mark.parametrize("folder", ["tmp", "chunks", "manifests", "pins"])
-def test_gc_refuses_a_vault_whose_key_folder_links_outside(vault: Path, elsewhere: Path, folder: str) -> None:
+def link_out_with_old_files(vault: Path, elsewhere: Path, folder: str) -> tuple[Path, dict[str, bytes]]:
+    """Move ``folder`` of the vault to ``elsewhere`` behind a link, plant old files named like vault keys there;
+    returns the link's target and a snapshot of ``elsewhere`` to compare with afterwards."""
     target = move_out(vault, folder, elsewhere / folder)
     plant(target, other_files(folder))
     age(elsewhere, 2 * DAY)
-    before = snapshot(elsewhere)
+    return target, snapshot(elsewhere)
+
+
+@pytest.mark.parametrize("folder", ["tmp", "chunks", "manifests", "pins"])
+def test_gc_refuses_a_vault_whose_key_folder_links_outside(vault: Path, elsewhere: Path, folder: str) -> None:
+    target, before = link_out_with_old_files(vault, elsewhere, folder)
     with CheckpointManager(vault) as mgr, pytest.raises(UnsafeLinkError) as caught:
         mgr.gc()
     message = str(caught.value)
@@ -146,10 +152,7 @@ def test_gc_refuses_a_vault_whose_key_folder_links_outside(vault: Path, elsewher
 
 @pytest.mark.parametrize("folder", ["tmp", "chunks", "manifests", "pins"])
 def test_cli_gc_refuses_a_vault_whose_key_folder_links_outside(vault: Path, elsewhere: Path, folder: str) -> None:
-    target = move_out(vault, folder, elsewhere / folder)
-    plant(target, other_files(folder))
-    age(elsewhere, 2 * DAY)
-    before = snapshot(elsewhere)
+    _target, before = link_out_with_old_files(vault, elsewhere, folder)
     assert_cli_error(run_cli("gc", vault, "--grace", 0), 3, str(vault / folder), "external_links=true")
     assert snapshot(elsewhere) == before
 

@@ -464,7 +464,7 @@ def test_xor_never_modifies_its_inputs_unless_asked() -> None:
     """Saves XOR the caller's (or the staging buffer's) bytes: that memory must stay untouched."""
     import numpy as np
 
-    from ckptvault.delta import xor
+    from ckptvault.codecs.xor import xor
 
     data = np.arange(1001, dtype=np.uint8)
     base = np.full(1001, 0x5A, dtype=np.uint8)

@@ -10,12 +10,11 @@ Quick start::
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
-
-from . import errors  # noqa: E402
-from .handle import SaveHandle  # noqa: E402
-from .info import CheckpointInfo, TensorInfo  # noqa: E402
-from .manager import CheckpointManager  # noqa: E402
+from . import errors
+from ._version import __version__
+from .handle import SaveHandle
+from .info import CheckpointInfo, TensorInfo
+from .manager import CheckpointManager
 
 __all__ = ["CheckpointInfo", "CheckpointManager", "SaveHandle", "TensorInfo", "__version__", "errors", "load", "save"]
 

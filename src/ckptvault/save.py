@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from . import __version__
+from ._version import __version__
 from .codecs import BytePlanes, PlaneDelta, chain_for
 from .delta import BaseRef, DeltaContext, find_bases
 from .delta_io import base_planes_for_save

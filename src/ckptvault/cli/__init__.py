@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import click
 
-from .. import __version__
+from .._version import __version__
 from .common import VaultGroup, configure_logging, parse_options
 from .copy import cp
 from .demo import demo

@@ -33,6 +33,7 @@ import blake3
 
 from ..codecs import MAX_STAGES, Spec, check_chain, decode_chain
 from ..codecs.base import shown
+from ..codecs.xor import xor
 from ..errors import CorruptChunkError, FormatVersionError, OversizedObjectError
 from . import FORMAT_VERSION
 from .schema import MAX_CHUNK_SIZE
@@ -196,8 +197,6 @@ def decode_payload(cid: str, header: ChunkHeader, payload: memoryview,
     if header.base is not None:
         if base_raw is None or len(base_raw) != header.raw:
             raise CorruptChunkError(cid, f"delta base {header.base} is missing or has the wrong length")
-        from ..delta import xor
-
         data = xor(data, base_raw, in_place=True)  # data is this function's own decode output
     if verify and chunk_id(data) != cid:
         raise CorruptChunkError(cid, "BLAKE3 hash of the decoded bytes does not match the chunk name")
