@@ -18,7 +18,7 @@ from ckptvault import CheckpointManager
 from ckptvault.copy import copy_checkpoints
 from ckptvault.errors import StepExistsError, StepNotFoundError, StorageError
 from ckptvault.stores import LocalStore
-from ckptvault.stores.faults import FaultyStore
+from ckptvault.testing.faults import FaultyStore
 from conftest import assert_same_state
 
 pytest.register_assert_rewrite("conftest_s3")

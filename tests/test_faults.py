@@ -17,8 +17,8 @@ import torch
 from ckptvault import CheckpointManager
 from ckptvault.errors import PermanentStorageError, RetryableStorageError, StorageError
 from ckptvault.stores import MemoryStore
-from ckptvault.stores.faults import WRITE_METHODS, FaultProxy, FaultyStore
 from ckptvault.stores.s3 import S3Store
+from ckptvault.testing.faults import WRITE_METHODS, FaultProxy, FaultyStore
 from conftest import assert_same_state, drop_memory_store, fresh_memory_url
 
 pytest.register_assert_rewrite("conftest_s3")

@@ -13,8 +13,8 @@ import torch
 from ckptvault import CheckpointManager
 from ckptvault.errors import InvalidArgumentError, ObjectNotFoundError, StorageError
 from ckptvault.stores import LocalStore, MemoryStore, Store, open_store
-from ckptvault.stores.conformance import StoreConformance
 from ckptvault.stores.fsspec_store import FsspecStore
+from ckptvault.testing.store_conformance import StoreConformance
 from conftest import assert_same_state
 
 

@@ -16,7 +16,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "src" / "ckptvault"
 #: root modules every layer may use: they import nothing of the package but each other
 SHARED = {"errors", "argcheck", "_version"}
 #: layer -> the layers (package folders) it may import besides itself and SHARED
-LOWER_LAYERS = {"codecs": set(), "stores": set(), "format": {"codecs"}}
+LOWER_LAYERS = {"codecs": set(), "stores": set(), "format": {"codecs"}, "testing": {"stores"}}
 
 
 def _module(path: Path) -> str:
@@ -62,6 +62,12 @@ def test_lower_layers_never_import_the_layers_above(module: str) -> None:
     above = sorted(m for m in _imports(MODULES[module], top_level_only=False)
                    if m.split(".")[0] not in allowed and m not in SHARED)
     assert not above, f"{module} imports {above}: the {layer} layer may use only {sorted(allowed | SHARED)}"
+
+
+def test_the_library_never_imports_its_test_helpers() -> None:
+    users = sorted(m for m, p in MODULES.items() if not m.startswith("testing")
+                   and any(d.split(".")[0] == "testing" for d in _imports(p, top_level_only=False)))
+    assert not users, f"{users} import ckptvault.testing, which needs pytest"
 
 
 def test_no_import_cycles() -> None:

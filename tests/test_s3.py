@@ -32,10 +32,10 @@ from ckptvault import CheckpointManager
 from ckptvault.errors import InvalidArgumentError, PermanentStorageError, RetryableStorageError, SaveError, StepNotFoundError
 from ckptvault.format.chunk_object import chunk_key
 from ckptvault.stores import Store, open_store
-from ckptvault.stores.conformance import StoreConformance
-from ckptvault.stores.faults import FaultProxy
 from ckptvault.stores.s3 import S3Store
 from ckptvault.stores.s3_support import PayloadReader, S3Options, lifecycle_risks, parse_s3_url
+from ckptvault.testing.faults import FaultProxy
+from ckptvault.testing.store_conformance import StoreConformance
 from conftest import assert_same_state
 
 pytest.register_assert_rewrite("conftest_s3")

@@ -1,4 +1,4 @@
-"""The store conformance suite (ckptvault.stores.conformance) run for LocalStore and MemoryStore,
+"""The store conformance suite (ckptvault.testing.store_conformance) run for LocalStore and MemoryStore,
 plus what is particular to each of them."""
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import ckptvault.stores.local as local_module
 from ckptvault import CheckpointManager
 from ckptvault.errors import InvalidArgumentError, PermanentStorageError, StorageError
 from ckptvault.stores import LocalStore, MemoryStore, Store, open_store
-from ckptvault.stores.conformance import StoreConformance
 from ckptvault.stores.local import LocalWriteBatch
+from ckptvault.testing.store_conformance import StoreConformance
 from conftest import drop_memory_store, fresh_memory_url
 
 

@@ -27,7 +27,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from ..errors import RetryableStorageError, StorageError
-from .base import ObjectInfo, Store
+from ..stores.base import ObjectInfo, Store
 
 #: response bytes a scripted "cut-body" lets through: more than any S3 response head
 CUT_BODY_AT = 4096

@@ -2,7 +2,7 @@
 
 Usage (needs pytest; nothing else in ckptvault imports this module)::
 
-    from ckptvault.stores.conformance import StoreConformance
+    from ckptvault.testing.store_conformance import StoreConformance
 
     class TestMyStore(StoreConformance):
         def make_store(self, tmp_path):
@@ -32,7 +32,7 @@ from typing import Any
 import pytest
 
 from ..errors import ObjectNotFoundError, OversizedObjectError, StorageError, VaultError
-from .base import ObjectInfo, Store
+from ..stores.base import ObjectInfo, Store
 
 
 class StoreConformance:
