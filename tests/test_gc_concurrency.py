@@ -175,3 +175,29 @@ def _check_intact(vault: Path, states: dict[int, dict[str, torch.Tensor]], ctx: 
             assert_same_state(state, mgr.restore(step))
         report = mgr.verify()
         assert report.ok, (ctx, report.problems)
+
+
+def test_a_save_whose_temporary_files_gc_swept_fails_as_a_retryable_save_error(tmp_path: Path) -> None:
+    """gc at grace 0 next to a save: it may sweep the save's unlinked temporary chunk files, and the save must then
+    fail as G5 promises (SaveError, nothing committed), not with a storage error naming a chunk."""
+    import threading
+
+    from ckptvault.errors import SaveError
+
+    url = str(tmp_path / "v")
+    gate = threading.Event()
+    with CheckpointManager(url, chunk_size=65536, workers=1) as saver, \
+            CheckpointManager(url, async_save=False) as other:
+        other.save(0, {"x": torch.zeros(4)})
+        handle = saver.save(1, {"w": torch.randn(100_000)}, progress=lambda n: gate.wait(10))  # holds after a chunk
+        deadline = time.monotonic() + 10
+        while not os.listdir(Path(url) / "tmp") and time.monotonic() < deadline:  # the first chunk's temp file
+            time.sleep(0.01)
+        swept = [g.key for g in other.gc(0)[1].deleted if g.kind == "temp"]
+        gate.set()
+        with pytest.raises(SaveError, match=r"was removed before the batch could link it .*nothing was committed: "
+                                             r"save again"):
+            handle.wait()
+        assert swept and other.steps() == [0]
+        saver.save(1, {"w": torch.ones(3)}).wait()  # the retry commits
+        assert other.steps() == [0, 1]

@@ -101,7 +101,7 @@ def write_chunks(vault: Vault, snapshot: Snapshot, progress: Progress | None = N
     writer = _ChunkWriter(vault, snapshot, progress, delta, batch)
     try:
         results = map_all(vault.pool, writer.write, plans, bases)
-        batch.finish()  # every new chunk durable and visible before commit() names it
+        _finish(batch)  # every new chunk durable and visible before commit() names it
     except BaseException:
         batch.abandon()
         raise
@@ -245,6 +245,15 @@ class _ChunkWriter:
         event = self._claimed.get(cid)
         if event is not None:
             event.set()
+
+
+def _finish(batch: WriteBatch) -> None:
+    """``batch.finish()``; a written object that vanished before it became visible (a concurrent gc took it) fails
+    the save as a retryable SaveError, as a chunk missing at commit does."""
+    try:
+        batch.finish()
+    except ObjectNotFoundError as exc:
+        raise SaveError(f"{exc}; nothing was committed: save again") from exc
 
 
 def build_manifest(step: int, snapshot: Snapshot, chunks: list[ChunkResult], pieces: list[list[Piece]],

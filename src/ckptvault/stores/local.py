@@ -629,6 +629,12 @@ class LocalWriteBatch(WriteBatch):
                         os.link(tmp, final)
                     except FileExistsError:
                         pass  # a concurrent writer made it, with the same bytes (names are content hashes)
+                    except FileNotFoundError:
+                        if tmp.exists():
+                            raise
+                        raise ObjectNotFoundError(
+                            f"the temporary file {tmp} of {final} was removed before the batch could link it into "
+                            "place (by a gc whose grace period is shorter than this save?)") from None
             self._sync()  # the new names
             if self.local.drop_behind:  # once the save is visible: clean now, every page goes
                 with self._lock:
