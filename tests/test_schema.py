@@ -291,6 +291,15 @@ def test_descriptor_field_errors(field: str, value: Any, error: type[Exception],
     assert str(info.value).startswith("vault.json in /v: ") and fragment in str(info.value)
 
 
+def test_an_oversized_descriptor_is_refused_unread(tmp_path: Path) -> None:
+    url = str(tmp_path / "v")
+    ckptvault.save({"x": torch.ones(4)}, url, step=1)
+    with open(Path(url) / "vault.json", "r+b") as f:
+        f.truncate(1 << 30)  # sparse: cheap to make, a gigabyte to read
+    with pytest.raises(CorruptManifestError, match=r"vault.json in .* is 1073741824 bytes, more than a vault descriptor"):
+        ckptvault.load(url)
+
+
 def test_descriptor_that_is_not_an_object() -> None:
     with pytest.raises(CorruptManifestError, match="vault.json in /v: must be a JSON object, not a list"):
         check_descriptor([DESCRIPTOR], "vault.json in /v")

@@ -29,6 +29,7 @@ from .errors import (
     CorruptManifestError,
     InvalidArgumentError,
     ObjectNotFoundError,
+    OversizedObjectError,
     StepNotFoundError,
     VaultNotFoundError,
 )
@@ -43,6 +44,8 @@ log = logging.getLogger(__name__)
 
 DESCRIPTOR_KEY = "vault.json"
 DEFAULT_CHUNK_SIZE = 4 << 20
+#: the most bytes a vault.json is read as (ckptvault writes about 150)
+MAX_DESCRIPTOR_SIZE = 64 << 10
 
 
 def default_workers() -> int:
@@ -73,9 +76,13 @@ class Vault:
         """The vault descriptor, or None if no vault exists at the URL yet."""
         if self._descriptor is None:
             try:
-                raw = self.store.get(DESCRIPTOR_KEY)
+                raw = self.store.get(DESCRIPTOR_KEY, MAX_DESCRIPTOR_SIZE)
             except ObjectNotFoundError:
                 return None
+            except OversizedObjectError as exc:
+                raise CorruptManifestError(f"{DESCRIPTOR_KEY} in {self.url} is {exc.size} bytes, more than a vault "
+                                           f"descriptor can be ({MAX_DESCRIPTOR_SIZE}): it was not written by "
+                                           "ckptvault") from None
             self._descriptor = _parse_descriptor(raw, self.url)
         return self._descriptor
 
