@@ -530,16 +530,20 @@ class VaultMachine(RuleBasedStateMachine):
         self.settle_running()
         self.collect_garbage()
 
+    def gc_keeping(self, mgr: CheckpointManager, committed: dict[int, Any], where: str) -> None:
+        """gc at grace 0 in ``mgr``'s vault; it must delete no chunk that a step of ``committed`` needs."""
+        self.let_the_store_clock_tick()
+        _, result = mgr.gc(0)
+        assert result is not None
+        deleted = chunk_names(g.key for g in result.deleted if g.kind == "chunk")
+        for step, ckpt in committed.items():
+            assert not ckpt.needed & deleted, f"gc in {where} deleted chunks of committed step {step}: {ckpt.needed & deleted}"
+
     def collect_garbage(self) -> None:
         if self.pending is not None:
             self.pending.raced_by_gc = True
             event(f"gc while a save is held {self.pending.hold.where if self.pending.hold else '?'}")
-        self.let_the_store_clock_tick()
-        _, result = self.reader.gc(0)
-        assert result is not None
-        deleted = chunk_names(g.key for g in result.deleted if g.kind == "chunk")
-        for step, ckpt in self.committed.items():
-            assert not ckpt.needed & deleted, f"gc deleted chunks of committed step {step}: {ckpt.needed & deleted}"
+        self.gc_keeping(self.reader, self.committed, "the vault")
         for step in [s for s in self.pins if s not in self.committed]:
             if self.pins[step]:
                 event("gc sweeps the pins of a deleted step")
@@ -577,12 +581,7 @@ class VaultMachine(RuleBasedStateMachine):
         self.dst_mgr.delete(step)
         self.wrote()
         del self.dst[step]
-        self.let_the_store_clock_tick()
-        _, result = self.dst_mgr.gc(0)
-        assert result is not None
-        deleted = chunk_names(g.key for g in result.deleted if g.kind == "chunk")
-        for s, ckpt in self.dst.items():
-            assert not ckpt.needed & deleted, f"gc in the copy deleted chunks of its step {s}"
+        self.gc_keeping(self.dst_mgr, self.dst, "the copy")
 
     @precondition(lambda self: self.others(self.committed))
     @rule(data=st.data(), how=st.sampled_from(["keys", "into"]))
