@@ -28,11 +28,10 @@ from .errors import (
     CorruptDataError,
     InvalidArgumentError,
     ObjectNotFoundError,
-    OversizedObjectError,
     StepExistsError,
     StepNotFoundError,
 )
-from .format.chunk_object import CHUNKS_PREFIX, chunk_key, max_object_size
+from .format.chunk_object import CHUNKS_PREFIX, chunk_key, max_object_size, read_object
 from .format.keys import chunk_id_of_key
 from .format.manifest import manifest_key
 from .parallel import map_all
@@ -168,13 +167,12 @@ def execute_copy(src: Vault, dst: Vault, plan: CopyPlan, *, overwrite: bool = Fa
         dst.store.put_if_absent(DESCRIPTOR_KEY, src.store.get(DESCRIPTOR_KEY))  # same chunk size, codec, hash
         dst.require()
     sent: set[str] = set()
-    largest = max_object_size(src.chunk_size())
     for item in plan.steps:
         keys = [chunk_key(cid) for cid in item.chunks]
         batch = dst.store.write_batch()  # the step's new chunks become durable together, before its manifest
         try:
             outcomes = map_all(src.pool, lambda key, batch=batch: _transfer(
-                src.store, dst.store, batch, key, key in plan.send and key not in sent, progress, largest), keys)
+                src.store, dst.store, batch, key, key in plan.send and key not in sent, progress, src.chunk_size()), keys)
             batch.finish()
         except BaseException:
             batch.abandon()
@@ -202,8 +200,8 @@ def execute_copy(src: Vault, dst: Vault, plan: CopyPlan, *, overwrite: bool = Fa
 
 
 def _transfer(src: Store, dst: Store, batch: WriteBatch, key: str, send: bool, progress: Progress | None,
-              max_size: int) -> int | None:
-    """Send one chunk object (of at most ``max_size`` bytes) through ``batch`` (returns its size) or touch the
+              chunk_size: int) -> int | None:
+    """Send one chunk object (of a source vault of ``chunk_size``) through ``batch`` (returns its size) or touch the
     destination's copy (returns None)."""
     if not send:
         try:
@@ -212,10 +210,7 @@ def _transfer(src: Store, dst: Store, batch: WriteBatch, key: str, send: bool, p
         except ObjectNotFoundError:
             pass  # collected since the plan listed it: send it after all
     try:
-        data = src.get(key, max_size)
-    except OversizedObjectError as exc:  # grew since the plan listed it
-        raise CorruptChunkError(key.rsplit("/", 1)[-1], f"the object is {exc.size} bytes, more than a chunk object "
-                                                        f"of {src.url} can be ({max_size})") from None
+        data = read_object(src, key.rsplit("/", 1)[-1], chunk_size)  # refused unread if it grew since the plan
     except ObjectNotFoundError:
         raise CorruptChunkError(key.rsplit("/", 1)[-1], f"it is missing from the source vault {src.url}") from None
     batch.put_if_absent(key, data)

@@ -292,13 +292,15 @@ def _locate(base: TensorRecord | None, record: ArrayRecord, start: int, length: 
 
 def _stored_as(lossy: LossyInfo | None) -> tuple[Any, ...]:
     """What identifies a manifest record's lossy stored form (() for exact storage); deltas need equal forms."""
-    if lossy is None or not lossy.is_lossy:
-        return ()
-    return (lossy.codec, lossy.block, lossy.stored_dtype, lossy.base_step)
+    return () if lossy is None else _form(lossy.codec, lossy.block, lossy.stored_dtype, lossy.base_step)
 
 
 def _pending_stored_as(lossy: dict[str, Any] | None) -> tuple[Any, ...]:
     """:func:`_stored_as` of the lossy description a save is about to write (``ArrayRecord.lossy``)."""
-    if not lossy or lossy.get("codec") == "lossless":
+    if not lossy:
         return ()
-    return (lossy["codec"], lossy.get("block"), lossy.get("stored_dtype"), lossy.get("base_step"))
+    return _form(lossy["codec"], lossy.get("block"), lossy.get("stored_dtype"), lossy.get("base_step"))
+
+
+def _form(codec: str, block: int | None, stored_dtype: str | None, base_step: int | None) -> tuple[Any, ...]:
+    return () if codec == "lossless" else (codec, block, stored_dtype, base_step)

@@ -178,13 +178,6 @@ def _chunk_refs(manifest: Manifest, record: TensorRecord) -> list[Any]:
     return [codec] + [(manifest.chunks[p.chunk].id, p.offset, p.length) for p in pieces]
 
 
-def _nbytes(record: TensorRecord) -> int:
-    """Bytes of the array as restored (a lossy record's ``nbytes`` is its stored form's)."""
-    if record.is_lossy and record.lossy is not None and record.lossy.original_nbytes is not None:
-        return record.lossy.original_nbytes
-    return record.nbytes
-
-
 def _added_share(manifest: Manifest, record: TensorRecord) -> int:
     """The record's share of the stored size of the chunks its checkpoint created."""
     chunks = manifest.chunks
@@ -195,12 +188,12 @@ def _added_share(manifest: Manifest, record: TensorRecord) -> int:
 
 def _only(manifest: Manifest, entry: tuple[int, TensorRecord], added: bool) -> OnlyIn:
     record = entry[1]
-    return OnlyIn(record.path, record.kind, record.dtype, list(record.shape), _nbytes(record),
+    return OnlyIn(record.path, record.kind, record.dtype, list(record.shape), record.restored_nbytes,
                   _added_share(manifest, record) if added else 0)
 
 
 def _tensor_diff(record: TensorRecord, status: str, changed: int, max_abs: float | int | None, added: int) -> TensorDiff:
-    return TensorDiff(record.path, record.kind, record.dtype, list(record.shape), _numel(record), _nbytes(record),
+    return TensorDiff(record.path, record.kind, record.dtype, list(record.shape), _numel(record), record.restored_nbytes,
                       status, changed, max_abs, added)
 
 
@@ -208,7 +201,7 @@ def _batches(items: list[tuple[str, int, int]], manifest: Manifest, limit: int) 
     batch: list[tuple[str, int, int]] = []
     size = 0
     for item in items:
-        nbytes = _nbytes(manifest.tensors[item[2]])
+        nbytes = manifest.tensors[item[2]].restored_nbytes
         if batch and size + nbytes > limit:
             yield batch
             batch, size = [], 0

@@ -78,7 +78,7 @@ def info_from_manifest(manifest: Manifest) -> CheckpointInfo:
         stored = share(t) + (sum(share(records[j]) for j in lossy.parts.values()) if lossy else 0)
         codec = f"{_lossy_name(lossy)}+{t.codec}" if lossy else t.codec
         tensors.append(TensorInfo(t.path, t.kind, t.dtype, t.shape,
-                                  lossy.original_nbytes or t.nbytes if lossy else t.nbytes, round(stored), codec,
+                                  t.restored_nbytes, round(stored), codec,
                                   _error(lossy.error if lossy else None), t.lossy.notes if t.lossy else ()))
     return CheckpointInfo(
         step=manifest.step, time=manifest.time, logical_bytes=manifest.logical_bytes,

@@ -112,6 +112,13 @@ class TensorRecord:
     def numel(self) -> int:
         return math.prod(self.shape)
 
+    @property
+    def restored_nbytes(self) -> int:
+        """Bytes of the array as restored (``nbytes`` is its stored form's, smaller for a lossy record)."""
+        if self.is_lossy and self.lossy is not None and self.lossy.original_nbytes is not None:
+            return self.lossy.original_nbytes
+        return self.nbytes
+
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"path": self.path, "kind": self.kind, "dtype": self.dtype, "shape": list(self.shape),
                                "global_shape": list(self.global_shape if self.global_shape is not None else self.shape),
