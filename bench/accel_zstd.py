@@ -5,7 +5,7 @@
 For W1 (the GPT), W2 (the MiniLM fine-tuning run) and W4 (sparse embeddings with Adagrad) of
 ``workloads_incremental.py``: the planes a keyframe stores (float32 byte k of the +10 state) and those a delta
 stores (byte k of the +1 and +10 states XORed with the keyframe's). Each plane is compressed in 1 MiB pieces on one
-thread, unaccelerated (level 1, hash_log 7), at each acceleration with Huffman-coded literals (as ``codecs/zstd.py``
+thread, unaccelerated (level 1, hash_log 7), at each acceleration with Huffman-coded literals (as ``_codecs/zstd.py``
 compresses), and as the vault does (``Zstd.encode_sampled`` after the sample ``BytePlanes`` takes). Rows group the
 tensors by their plane's share of zero bytes. Prints stored fraction and ns per input byte.
 """
@@ -24,9 +24,9 @@ import zstandard
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import workloads_incremental as wi  # noqa: E402
-from ckptvault.codecs.planes import BytePlanes  # noqa: E402
-from ckptvault.codecs.zstd import LEVEL1_HASH_LOG, Zstd  # noqa: E402
-from ckptvault.codecs.zstd import _AcceleratedLevel1 as Accelerated  # noqa: E402
+from ckptvault._codecs.planes import BytePlanes  # noqa: E402
+from ckptvault._codecs.zstd import LEVEL1_HASH_LOG, Zstd  # noqa: E402
+from ckptvault._codecs.zstd import _AcceleratedLevel1 as Accelerated  # noqa: E402
 from workloads import tensor_leaves  # noqa: E402
 
 PIECE = 1 << 20

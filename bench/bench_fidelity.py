@@ -53,13 +53,13 @@ import torch  # noqa: E402
 
 import workloads_incremental as wi  # noqa: E402
 from ckptvault import CheckpointManager  # noqa: E402
-from ckptvault.codecs import chain_for, encode_chain  # noqa: E402
+from ckptvault._codecs import chain_for, encode_chain  # noqa: E402
+from ckptvault._codecs.lossy import SafetyPolicy, encode_safely, parse_codec  # noqa: E402
+from ckptvault._format.chunk_object import chunk_id  # noqa: E402
+from ckptvault._save.lossy import LossyBuffers  # noqa: E402
 from ckptvault.demo.data import batch, stdlib_bytes  # noqa: E402
 from ckptvault.demo.model import GPT, num_params  # noqa: E402
-from ckptvault.format.chunk_object import chunk_id  # noqa: E402
-from ckptvault.lossy import SafetyPolicy, encode_safely, parse_codec  # noqa: E402
-from ckptvault.lossy_stage import LossyBuffers  # noqa: E402
-from ckptvault.presets import PRESETS  # noqa: E402
+from ckptvault.rules import PRESETS  # noqa: E402
 from common import fresh_dir, machine  # noqa: E402
 from workloads import OUT_DIR, SIZES, W1_BATCH, W1_LR, assert_same_tensors, tensor_leaves  # noqa: E402
 

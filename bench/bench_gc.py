@@ -2,7 +2,7 @@
 
 1. GC plan time on a vault of ``--checkpoints`` (default 1,000) checkpoints of
    a small training state (an MLP + AdamW trained one step per checkpoint, a
-   frozen buffer shared by all): the time of :func:`ckptvault.gc.plan_gc`
+   frozen buffer shared by all): the time of :func:`ckptvault._maintenance.gc.plan_gc`
    (list chunks, read and verify every manifest, mark), median of ``--runs``,
    warm and (as root) cold page cache. Also the prune plan, and prune + gc
    execute after ``keep_last=10, keep_every=100``.
@@ -31,11 +31,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from ckptvault import CheckpointManager  # noqa: E402
+from ckptvault._maintenance.gc import execute_gc, plan_gc  # noqa: E402
+from ckptvault._maintenance.prune import execute_prune, plan_prune  # noqa: E402
+from ckptvault._maintenance.retention import Retention  # noqa: E402
 from ckptvault.demo.data import batch, stdlib_bytes  # noqa: E402
 from ckptvault.demo.model import GPT, GPTConfig  # noqa: E402
-from ckptvault.gc import execute_gc, plan_gc  # noqa: E402
-from ckptvault.prune import execute_prune, plan_prune  # noqa: E402
-from ckptvault.retention import Retention  # noqa: E402
 from common import Timing, drop_caches, fresh_dir, machine, timed  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "out" / "gc"

@@ -24,10 +24,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import workloads_incremental as wi  # noqa: E402
-from ckptvault.codecs.planes import BytePlanes, scratch, split_planes  # noqa: E402
-from ckptvault.codecs.xplanes import PlaneDelta  # noqa: E402
-from ckptvault.codecs.zstd import Zstd  # noqa: E402
-from ckptvault.format.chunk_object import chunk_id  # noqa: E402
+from ckptvault._codecs.planes import BytePlanes, scratch, split_planes  # noqa: E402
+from ckptvault._codecs.xplanes import PlaneDelta  # noqa: E402
+from ckptvault._codecs.zstd import Zstd  # noqa: E402
+from ckptvault._format.chunk_object import chunk_id  # noqa: E402
 from workloads import SIZES, tensor_leaves  # noqa: E402
 
 GIB = 1 << 30

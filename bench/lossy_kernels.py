@@ -4,7 +4,7 @@
 
 One thread, float32 normal random data (scale 0.02, like weights); best of ``--reps`` per kernel, after one
 call that compiles or loads it. Each kernel writes what is stored and returns the error sums
-(``ckptvault.lossy_kernels``); the torch row is only the cast, without any measurement. Prints ns per value.
+(``ckptvault._codecs.lossy_kernels``); the torch row is only the cast, without any measurement. Prints ns per value.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from ckptvault import lossy_kernels
+from ckptvault._codecs import lossy_kernels
 
 
 def best_ns_per_value(call: Callable[[], object], values: int, reps: int) -> float:

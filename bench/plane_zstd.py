@@ -6,9 +6,9 @@ Takes every float32 tensor of one group of W1's +10 state (``workloads_increment
 ``bench_fidelity.py``), and compresses in 1 MiB pieces, on one thread: the float32 sign-and-exponent byte,
 float32's second byte, the top and low byte of the same values cast to fp16, and the two high bytes of the +1
 state XORed with the keyframe's (what a delta one step apart compresses). Each with the vault's zstd as it stores
-(each piece sampled as ``codecs/planes.py`` samples a plane, then stored raw or compressed as the sample says:
+(each piece sampled as ``_codecs/planes.py`` samples a plane, then stored raw or compressed as the sample says:
 searched at level 1 with hash_log 7 and acceleration, searched without acceleration where it is mostly runs, or as
-Huffman-coded literals only: ``codecs/zstd.py``), with each of those three alone, and with a sweep of other settings. Prints the
+Huffman-coded literals only: ``_codecs/zstd.py``), with each of those three alone, and with a sweep of other settings. Prints the
 stored fraction and ns per input byte (the vault's time includes its sampling).
 """
 
@@ -26,8 +26,8 @@ import zstandard
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_fidelity  # noqa: E402
 import workloads_incremental as wi  # noqa: E402
-from ckptvault.codecs.planes import BytePlanes  # noqa: E402
-from ckptvault.codecs.zstd import ACCELERATED, LEVEL1_HASH_LOG, LITERALS_ONLY, Zstd, _compressor  # noqa: E402
+from ckptvault._codecs.planes import BytePlanes  # noqa: E402
+from ckptvault._codecs.zstd import ACCELERATED, LEVEL1_HASH_LOG, LITERALS_ONLY, Zstd, _compressor  # noqa: E402
 from workloads import SIZES  # noqa: E402
 
 PIECE = 1 << 20

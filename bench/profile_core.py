@@ -28,13 +28,13 @@ import numpy as np
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # idle OpenMP threads must not spin against the pool threads measured
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from ckptvault.codecs import DEFAULT_CODEC, chain_for, decode_chain, encode_chain  # noqa: E402
-from ckptvault.codecs.shuffle import Shuffle  # noqa: E402
-from ckptvault.format.chunk_object import ChunkHeader, chunk_id, encode_object, parse_object  # noqa: E402
-from ckptvault.layout import LeafSpec, plan_chunks  # noqa: E402
+from ckptvault._codecs import DEFAULT_CODEC, chain_for, decode_chain, encode_chain  # noqa: E402
+from ckptvault._codecs.shuffle import Shuffle  # noqa: E402
+from ckptvault._format.chunk_object import ChunkHeader, chunk_id, encode_object, parse_object  # noqa: E402
+from ckptvault._save.chunking import LeafSpec, plan_chunks  # noqa: E402
+from ckptvault._save.snapshot import take_snapshot  # noqa: E402
+from ckptvault._vault import DEFAULT_CHUNK_SIZE  # noqa: E402
 from ckptvault.rules import CodecRules  # noqa: E402
-from ckptvault.snapshot import take_snapshot  # noqa: E402
-from ckptvault.vault import DEFAULT_CHUNK_SIZE  # noqa: E402
 from common import drop_caches, fresh_dir  # noqa: E402
 from workloads import OUT_DIR, SIZES, w1_state  # noqa: E402
 

@@ -116,7 +116,7 @@ class Patched:
 
     def __enter__(self) -> Patched:
         if "no-probe" in self.variant:
-            save_mod = sys.modules["ckptvault.save"]
+            save_mod = sys.modules["ckptvault._save.chunks"]
             original_store, original_stat = save_mod._ChunkWriter._store, S3Store.stat
             probing = threading.local()
 
@@ -142,12 +142,12 @@ class Patched:
             s3_mod.PayloadReader = lambda parts: b"".join(parts)
             self.undo.append(lambda: setattr(s3_mod, "PayloadReader", original_reader))
         if "no-commit-check" in self.variant:
-            saver_mod = sys.modules["ckptvault.saver"]
+            saver_mod = sys.modules["ckptvault._save.pipeline"]
             original_commit = saver_mod.commit
 
             def commit_without_check(vault: Any, step: int, manifest: dict[str, Any], overwrite: bool,
                                      guard: Any = None) -> None:
-                save_mod = sys.modules["ckptvault.save"]
+                save_mod = sys.modules["ckptvault._save.commit"]
                 vault.store.put_if_absent(save_mod.manifest_key(step), save_mod.encode_manifest(manifest))
 
             saver_mod.commit = commit_without_check

@@ -25,14 +25,14 @@ import torch
 import zstandard
 
 from ckptvault import CheckpointManager
-from ckptvault import vault as vault_module
-from ckptvault.codecs import BytePlanes, Lz4, Shuffle
-from ckptvault.codecs.zstd import Zstd
+from ckptvault import _vault as vault_module
+from ckptvault._codecs import BytePlanes, Lz4, Shuffle
+from ckptvault._codecs.zstd import Zstd
+from ckptvault._format import chunk_object
+from ckptvault._format.chunk_object import MAX_RAW, ChunkHeader, chunk_id, chunk_key, encode_object, parse_object
+from ckptvault._format.manifest import encode_manifest
+from ckptvault._vault import MAX_CHUNK_SIZE
 from ckptvault.errors import CorruptChunkError, FormatVersionError
-from ckptvault.format import chunk_object
-from ckptvault.format.chunk_object import MAX_RAW, ChunkHeader, chunk_id, chunk_key, encode_object, parse_object
-from ckptvault.format.manifest import encode_manifest
-from ckptvault.vault import MAX_CHUNK_SIZE
 from conftest import assert_same_state
 from helpers.counting_store import CountingStore
 
@@ -462,7 +462,7 @@ def test_an_oversized_object_is_refused_before_it_is_read(vault: tuple[Path, dic
 
 def test_copy_refuses_an_oversized_object_before_writing_anything(vault: tuple[Path, dict[str, Any], Any],
                                                                    tmp_path: Path) -> None:
-    from ckptvault.copy import copy_checkpoints
+    from ckptvault._maintenance.copy import copy_checkpoints
 
     root, manifest, _state1 = vault
     _oversize(root, cid_of(manifest, "a"))
@@ -473,7 +473,7 @@ def test_copy_refuses_an_oversized_object_before_writing_anything(vault: tuple[P
 
 def test_copy_refuses_a_destination_with_smaller_chunks(vault: tuple[Path, dict[str, Any], Any], tmp_path: Path) -> None:
     """Chunks are copied byte for byte: into a vault of smaller chunks they would be refused by its readers."""
-    from ckptvault.copy import copy_checkpoints
+    from ckptvault._maintenance.copy import copy_checkpoints
     from ckptvault.errors import InvalidArgumentError
 
     root, _manifest, state = vault

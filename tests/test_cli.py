@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import ckptvault
-from ckptvault.format.chunk_object import chunk_key
+from ckptvault._format.chunk_object import chunk_key
 
 STEPS = (100, 200, 300)
 CHUNK = 64 << 10

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from ckptvault import CheckpointManager
-from ckptvault.copy import copy_checkpoints
+from ckptvault._maintenance.copy import copy_checkpoints
 from ckptvault.errors import StepExistsError, StepNotFoundError, StorageError
 from ckptvault.stores import LocalStore
 from ckptvault.testing.faults import FaultyStore

@@ -34,7 +34,7 @@ from pathlib import Path
 import pytest
 
 from ckptvault import CheckpointManager
-from ckptvault.format.chunk_object import chunk_key
+from ckptvault._format.chunk_object import chunk_key
 from helpers.statedigest import state_digest
 
 HELPERS = Path(__file__).parent / "helpers"
@@ -296,7 +296,7 @@ def finish_campaign(campaign: Campaign) -> None:
 def remove_leftovers(mgr: CheckpointManager, leftovers: set[str]) -> None:
     """Delete exactly ``leftovers`` (temp files and unreferenced chunks) with gc, or by hand if there is no gc."""
     try:
-        from ckptvault.gc import execute_gc, plan_gc
+        from ckptvault._maintenance.gc import execute_gc, plan_gc
     except ImportError:
         for key in leftovers:
             mgr.vault.store.delete(key)

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from ckptvault import CheckpointManager
-from ckptvault.staging import StagingBuffer
+from ckptvault._save.staging import StagingBuffer
 from conftest import assert_same_state
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -20,9 +20,9 @@ import torch
 from torch import nn
 
 from ckptvault import CheckpointManager
-from ckptvault.diff import compare_bytes, diff_steps
+from ckptvault._format.chunk_object import chunk_key
+from ckptvault._reports.diff import compare_bytes, diff_steps
 from ckptvault.errors import StepNotFoundError
-from ckptvault.format.chunk_object import chunk_key
 
 CHUNK = 64 << 10
 

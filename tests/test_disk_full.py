@@ -31,8 +31,8 @@ import torch
 from torch import nn
 
 from ckptvault import CheckpointManager
+from ckptvault._format.manifest import manifest_key
 from ckptvault.errors import PermanentStorageError, StorageFullError
-from ckptvault.format.manifest import manifest_key
 from ckptvault.stores import LocalStore
 from helpers.statedigest import state_digest
 
@@ -171,7 +171,7 @@ def collect_garbage(url: Path, expected: set[str]) -> None:
     """gc with grace 0 removes exactly ``expected`` (falls back to deleting them by hand if there is no gc)."""
     with CheckpointManager(url) as mgr:
         try:
-            from ckptvault.gc import execute_gc, plan_gc
+            from ckptvault._maintenance.gc import execute_gc, plan_gc
         except ImportError:
             for key in expected:
                 mgr.vault.store.delete(key)

@@ -12,6 +12,9 @@ import pytest
 import torch
 
 import ckptvault
+from ckptvault._format.chunk_object import ChunkHeader, encode_object
+from ckptvault._format.manifest import decode_manifest, encode_manifest
+from ckptvault._maintenance.retention import KeepLast
 from ckptvault.errors import (
     CorruptChunkError,
     CorruptManifestError,
@@ -25,9 +28,6 @@ from ckptvault.errors import (
     VaultError,
     VaultNotFoundError,
 )
-from ckptvault.format.chunk_object import ChunkHeader, encode_object
-from ckptvault.format.manifest import decode_manifest, encode_manifest
-from ckptvault.retention import KeepLast
 from conftest import assert_same_state
 
 

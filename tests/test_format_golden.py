@@ -35,8 +35,8 @@ import pytest
 import torch
 
 import ckptvault
-from ckptvault.format.chunk_object import chunk_id, decode_object, header_length
-from ckptvault.format.manifest import decode_manifest, encode_manifest
+from ckptvault._format.chunk_object import chunk_id, decode_object, header_length
+from ckptvault._format.manifest import decode_manifest, encode_manifest
 from conftest import GOLDEN_DIR, assert_same_state, chunk_files, manifest_files
 
 PINNED = {"time": 1700000000.0, "writer": "ckptvault golden"}

@@ -62,14 +62,14 @@ import torch
 from hypothesis import assume, given, note
 from hypothesis import strategies as st
 
-from ckptvault.codecs import BytePlanes, Shuffle
-from ckptvault.codecs.lz4 import Lz4
-from ckptvault.codecs.zstd import Zstd
+from ckptvault._codecs import BytePlanes, Shuffle
+from ckptvault._codecs.lz4 import Lz4
+from ckptvault._codecs.zstd import Zstd
+from ckptvault._format.chunk_object import ChunkHeader, chunk_id, decode_payload, encode_object, parse_object
+from ckptvault._format.manifest import decode_manifest
+from ckptvault._vault import Vault
 from ckptvault.errors import CorruptChunkError, CorruptManifestError, FormatVersionError
-from ckptvault.format.chunk_object import ChunkHeader, chunk_id, decode_payload, encode_object, parse_object
-from ckptvault.format.manifest import decode_manifest
 from ckptvault.stores import open_store
-from ckptvault.vault import Vault
 from conftest import drop_memory_store, fresh_memory_url
 from helpers.statedigest import state_digest
 from hostile.make_corpus import (
@@ -451,7 +451,7 @@ def test_manifest_structured_mutations(body: Any) -> None:
 
 def descriptor_violations(desc: Any) -> list[str]:
     """What an accepted vault.json breaks of docs/DESIGN.md section 2 (empty: nothing)."""
-    from ckptvault.codecs import validate_codec_name
+    from ckptvault._codecs import validate_codec_name
 
     if not isinstance(desc, dict):
         return [f"not an object: {type(desc).__name__}"]

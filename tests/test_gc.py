@@ -13,13 +13,13 @@ import torch
 from click.testing import CliRunner
 
 from ckptvault import CheckpointManager
+from ckptvault._format.chunk_object import ChunkHeader, chunk_id, chunk_key, encode_object, parse_object
+from ckptvault._format.manifest import decode_manifest, encode_manifest, manifest_key
+from ckptvault._maintenance.gc import execute_gc, plan_gc
+from ckptvault._maintenance.prune import execute_prune, plan_prune
+from ckptvault._maintenance.retention import KeepEvery, KeepLast, Retention
 from ckptvault.cli import main
 from ckptvault.errors import InvalidArgumentError, MaintenanceRefusedError, SaveError, StepNotFoundError
-from ckptvault.format.chunk_object import ChunkHeader, chunk_id, chunk_key, encode_object, parse_object
-from ckptvault.format.manifest import decode_manifest, encode_manifest, manifest_key
-from ckptvault.gc import execute_gc, plan_gc
-from ckptvault.prune import execute_prune, plan_prune
-from ckptvault.retention import KeepEvery, KeepLast, Retention
 from conftest import assert_same_state, chunk_files, manifest_files
 
 CHUNK = 64 << 10

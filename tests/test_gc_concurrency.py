@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from ckptvault import CheckpointManager
-from ckptvault.gc import collect
-from ckptvault.retention import KeepEvery, KeepLast
-from ckptvault.vault import Vault
+from ckptvault._maintenance.gc import collect
+from ckptvault._maintenance.retention import KeepEvery, KeepLast
+from ckptvault._vault import Vault
 from conftest import assert_same_state
 from test_gc import age, orphans
 

@@ -16,12 +16,12 @@ import torch
 from click.testing import CliRunner
 
 from ckptvault import CheckpointManager
+from ckptvault._format.chunk_object import chunk_key
+from ckptvault._format.manifest import manifest_key
+from ckptvault._maintenance.copy import copy_checkpoints
+from ckptvault._maintenance.retention import KeepLast
 from ckptvault.cli import main
-from ckptvault.copy import copy_checkpoints
 from ckptvault.errors import InvalidArgumentError, UnsafeLinkError
-from ckptvault.format.chunk_object import chunk_key
-from ckptvault.format.manifest import manifest_key
-from ckptvault.retention import KeepLast
 from ckptvault.stores import LocalStore
 from conftest import assert_same_state, chunk_files
 

@@ -17,10 +17,10 @@ import torch
 from torch import nn
 
 from ckptvault import CheckpointManager
-from ckptvault.delta import KeyframeCache
+from ckptvault._delta.policy import KeyframeCache
+from ckptvault._format.chunk_object import chunk_key, parse_object
+from ckptvault._maintenance.gc import collect
 from ckptvault.errors import CorruptChunkError, InvalidArgumentError, PermanentStorageError
-from ckptvault.format.chunk_object import chunk_key, parse_object
-from ckptvault.gc import collect
 from conftest import assert_same_state
 from helpers.counting_store import CountingStore
 
@@ -464,7 +464,7 @@ def test_xor_never_modifies_its_inputs_unless_asked() -> None:
     """Saves XOR the caller's (or the staging buffer's) bytes: that memory must stay untouched."""
     import numpy as np
 
-    from ckptvault.codecs.xor import xor
+    from ckptvault._codecs.xor import xor
 
     data = np.arange(1001, dtype=np.uint8)
     base = np.full(1001, 0x5A, dtype=np.uint8)

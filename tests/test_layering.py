@@ -1,5 +1,6 @@
-"""Imports point down: the format, codecs and stores layers never import the pipelines above them, and no two
-modules import each other at import time (an import cycle).
+"""Imports point down (docs/DESIGN.md §1): the format, codecs and stores layers never import the pipelines above
+them, the pipelines never import the user-facing layer, and no two modules import each other at import time (an
+import cycle).
 
 Read from the source with ``ast``, so a lazy import inside a function counts for the layers (it still reaches
 up) but not for cycles (it is how a module may name one that imports it).
@@ -14,9 +15,12 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "src" / "ckptvault"
 #: root modules every layer may use: they import nothing of the package but each other
-SHARED = {"errors", "argcheck", "_version"}
+SHARED = {"errors", "_argcheck", "_version"}
 #: layer -> the layers (package folders) it may import besides itself and SHARED
-LOWER_LAYERS = {"codecs": set(), "stores": set(), "format": {"codecs"}, "testing": {"stores"}}
+LOWER_LAYERS = {"_codecs": set(), "stores": set(), "_format": {"_codecs"}, "testing": {"stores"}}
+#: the pipelines, and the user-facing layer above them that they never import ("" is the package's __init__)
+PIPELINES = ("_save", "_delta", "_restore", "_maintenance", "_reports", "_vault")
+USER_FACING = {"", "manager", "cli", "demo"}
 
 
 def _module(path: Path) -> str:
@@ -62,6 +66,17 @@ def test_lower_layers_never_import_the_layers_above(module: str) -> None:
     above = sorted(m for m in _imports(MODULES[module], top_level_only=False)
                    if m.split(".")[0] not in allowed and m not in SHARED)
     assert not above, f"{module} imports {above}: the {layer} layer may use only {sorted(allowed | SHARED)}"
+
+
+@pytest.mark.parametrize("module", [m for m in MODULES if m.split(".")[0] in PIPELINES])
+def test_pipelines_never_import_the_user_facing_layer(module: str) -> None:
+    above = sorted(m for m in _imports(MODULES[module], top_level_only=False) if m.split(".")[0] in USER_FACING)
+    assert not above, f"{module} imports {above}: pipelines are used by the manager and the CLI, not the reverse"
+
+
+def test_every_layer_named_here_exists() -> None:
+    tops = {m.split(".")[0] for m in MODULES}
+    assert set(LOWER_LAYERS) | set(PIPELINES) | (USER_FACING - {""}) | SHARED <= tops
 
 
 def test_the_library_never_imports_its_test_helpers() -> None:

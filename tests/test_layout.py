@@ -11,7 +11,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ckptvault.layout import LeafSpec, Piece, plan_chunks
+from ckptvault._save.chunking import LeafSpec, Piece, plan_chunks
 
 CHUNK = 1024
 THRESHOLD = CHUNK // 4

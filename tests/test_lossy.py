@@ -22,17 +22,18 @@ import pytest
 import torch
 
 import ckptvault
-from ckptvault import CheckpointManager, lossy, lossy_kernels
+from ckptvault import CheckpointManager
+from ckptvault._codecs import lossy, lossy_kernels
+from ckptvault._codecs.lossy import LossyCodecError
+from ckptvault._maintenance.gc import collect
+from ckptvault._reports.diff import diff_steps
+from ckptvault._restore import read_into
+from ckptvault._save.lossy import LossyBuffers
+from ckptvault._tree import leaf_paths
 from ckptvault.demo.data import batch, stdlib_bytes
 from ckptvault.demo.model import GPT, GPTConfig
-from ckptvault.diff import diff_steps
 from ckptvault.errors import InvalidArgumentError
-from ckptvault.gc import collect
-from ckptvault.lossy import LossyCodecError
-from ckptvault.lossy_stage import LossyBuffers
-from ckptvault.restore import read_into
 from ckptvault.rules import CodecRules
-from ckptvault.tree import leaf_paths
 from conftest import assert_same_state, manifest_files
 
 CFG = GPTConfig(seq_len=32, d_model=64, n_layer=2, n_head=2)

@@ -18,11 +18,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from ckptvault import CheckpointManager
-from ckptvault.codecs import BytePlanes, PlaneDelta
-from ckptvault.codecs.planes import plane_table, split_planes
-from ckptvault.codecs.zstd import Zstd
+from ckptvault._codecs import BytePlanes, PlaneDelta
+from ckptvault._codecs.planes import plane_table, split_planes
+from ckptvault._codecs.zstd import Zstd
+from ckptvault._format.chunk_object import chunk_key, header_length, parse_object
 from ckptvault.errors import CorruptChunkError
-from ckptvault.format.chunk_object import chunk_key, header_length, parse_object
 from conftest import assert_same_state
 from helpers.counting_store import CountingStore
 

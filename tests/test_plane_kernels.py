@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ckptvault.codecs import planes as planes_module
-from ckptvault.codecs.planes import assemble, split_planes
+from ckptvault._codecs import planes as planes_module
+from ckptvault._codecs.planes import assemble, split_planes
 
 
 def numpy_only(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -76,7 +76,7 @@ def test_a_manager_loads_the_kernels_in_the_background_that_saves_and_restores_u
     script = f"""
 import torch
 from ckptvault import CheckpointManager
-from ckptvault.codecs import plane_kernels as k, planes
+from ckptvault._codecs import plane_kernels as k, planes
 
 with CheckpointManager({str(tmp_path / "vault")!r}, async_save=False) as mgr:
     mgr._loading_kernels.join()

@@ -19,8 +19,7 @@ import torch
 
 from ckptvault import CheckpointManager
 from ckptvault.errors import InvalidArgumentError
-from ckptvault.presets import PRESETS, preset_rules
-from ckptvault.rules import CodecRules
+from ckptvault.rules import PRESETS, CodecRules, preset_rules
 from conftest import assert_same_state
 
 NAMES = ["lossless", "moments-compact", "moments-bf16", "fp16", "bf16", "residual"]

@@ -8,8 +8,7 @@ import pytest
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
-from ckptvault.errors import InvalidArgumentError
-from ckptvault.retention import (
+from ckptvault._maintenance.retention import (
     DAY,
     WEEK,
     KeepBest,
@@ -24,6 +23,7 @@ from ckptvault.retention import (
     decide,
     validate_tag,
 )
+from ckptvault.errors import InvalidArgumentError
 
 NOW = 1_700_000_000.0  # a Tuesday, 22:13 UTC
 

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from ckptvault import CheckpointManager
+from ckptvault._format.chunk_object import chunk_key
+from ckptvault._format.manifest import manifest_key
 from ckptvault.errors import SaveError
-from ckptvault.format.chunk_object import chunk_key
-from ckptvault.format.manifest import manifest_key
 from ckptvault.stores.local import LocalStore
 from conftest import assert_same_state
 

@@ -22,7 +22,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import ckptvault
-from ckptvault.format.chunk_object import chunk_key
+from ckptvault._format.chunk_object import chunk_key
 from ckptvault.stores import LocalStore
 from conftest import assert_same_state, chunk_files, drop_memory_store, fresh_memory_url
 
@@ -382,7 +382,7 @@ def test_pickle_needs_allow_pickle_both_ways(vault_url: str) -> None:
 # -- what a save does to storage ---------------------------------------------------------------
 
 def _chunk_headers(vault_dir: str) -> dict[str, Any]:
-    from ckptvault.format.chunk_object import parse_object
+    from ckptvault._format.chunk_object import parse_object
 
     return {p.name: parse_object(p.name, p.read_bytes())[0] for p in chunk_files(vault_dir)}
 

@@ -29,11 +29,11 @@ import pytest
 import torch
 
 from ckptvault import CheckpointManager
+from ckptvault._format.chunk_object import chunk_key
 from ckptvault.errors import InvalidArgumentError, PermanentStorageError, RetryableStorageError, SaveError, StepNotFoundError
-from ckptvault.format.chunk_object import chunk_key
 from ckptvault.stores import Store, open_store
+from ckptvault.stores._s3_support import PayloadReader, S3Options, lifecycle_risks, parse_s3_url
 from ckptvault.stores.s3 import S3Store
-from ckptvault.stores.s3_support import PayloadReader, S3Options, lifecycle_risks, parse_s3_url
 from ckptvault.testing.faults import FaultProxy
 from ckptvault.testing.store_conformance import StoreConformance
 from conftest import assert_same_state
@@ -655,7 +655,7 @@ def _chunk_keys(store: S3Store, manifest: dict[str, Any]) -> set[str]:
 def test_a_new_save_stops_probing_once_probes_keep_missing(rgw: Gateway, s3_url: str) -> None:
     """On S3 a save asks whether a chunk exists (a HEAD) only until PROBE_MISSES such probes in a row found
     nothing; the commit still checks every chunk it names, with one listing of this small vault's chunks."""
-    from ckptvault.save import PROBE_MISSES
+    from ckptvault._save.chunks import PROBE_MISSES
 
     torch.manual_seed(1)  # fixed chunk ids: the commit check's estimate lists this small vault
 
@@ -680,7 +680,7 @@ def test_a_save_that_finds_chunks_it_did_not_expect_reuses_them_and_probes_again
     Once it has stopped probing, the first of them it meets is sent and refused (412): the save reuses it,
     protects it from gc (a touch, as for any reused chunk nobody names) and probes again, so the others are
     found without being sent. The checkpoint restores exactly and adds only the new chunks."""
-    from ckptvault.save import PROBE_MISSES
+    from ckptvault._save.chunks import PROBE_MISSES
 
     torch.manual_seed(7)  # fixed chunk ids: the commit check's estimate lists this small vault
 
@@ -719,7 +719,7 @@ def test_the_commit_check_lists_the_chunk_keys_only_while_that_is_cheaper_than_a
     estimated at up to LIST_PER_PROBE chunks per chunk checked is listed, and a chunk the listing shows needs no
     HEAD; a larger one gets a HEAD per chunk; a listing that passes twice that many keys (the estimate was low)
     stops, and the chunks it did not show get a HEAD."""
-    from ckptvault.save import LIST_PER_PROBE
+    from ckptvault._save.commit import LIST_PER_PROBE
 
     torch.manual_seed(5)
     state = {"new": torch.randn(4 * 16384)}  # 4 chunks of 64 KiB, none under chunks/00/ or chunks/01/ (seed 5)
@@ -782,7 +782,7 @@ def test_a_found_chunk_that_gc_collects_before_it_is_protected_is_written_after_
     """Between the 412 that says a chunk is there and the touch that protects it, a concurrent gc may delete it
     (here: deleted when the touch is sent). The save then writes the chunk itself and commits a checkpoint
     that restores exactly."""
-    from ckptvault.save import PROBE_MISSES
+    from ckptvault._save.chunks import PROBE_MISSES
 
     torch.manual_seed(3)  # fixed chunk ids: the commit check's estimate lists this small vault
 

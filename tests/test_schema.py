@@ -20,10 +20,10 @@ import torch
 from click.testing import CliRunner
 
 import ckptvault
+from ckptvault._format.manifest import decode_manifest, encode_manifest, manifest_key
+from ckptvault._format.schema import MAX_DEPTH, check_descriptor, check_manifest
 from ckptvault.cli import main
 from ckptvault.errors import CorruptManifestError, FormatVersionError, InvalidArgumentError
-from ckptvault.format.manifest import decode_manifest, encode_manifest, manifest_key
-from ckptvault.format.schema import MAX_DEPTH, check_descriptor, check_manifest
 
 KEY = manifest_key(1)
 WHAT = f"manifest {KEY}"

@@ -67,9 +67,9 @@ from hypothesis.stateful import (
 )
 
 from ckptvault import CheckpointManager
-from ckptvault.copy import copy_checkpoints
+from ckptvault._maintenance.copy import copy_checkpoints
+from ckptvault._maintenance.retention import KeepEvery, KeepLast, Retention
 from ckptvault.errors import SaveError, StepExistsError, StepNotFoundError, VaultNotFoundError
-from ckptvault.retention import KeepEvery, KeepLast, Retention
 from conftest import assert_same_state, tensor_bytes_of
 
 pytest_plugins = ["conftest_s3"]  # the rgw fixture (a real S3 gateway on loopback)

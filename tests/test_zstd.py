@@ -11,9 +11,9 @@ import zstandard
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import ckptvault.codecs.zstd as zstd_module
-from ckptvault.codecs.planes import BytePlanes, plane_table, split_planes
-from ckptvault.codecs.zstd import LEVEL1_ACCELERATION, LEVEL1_HASH_LOG, LITERALS_FROM, SPARSE_BELOW, Zstd
+import ckptvault._codecs.zstd as zstd_module
+from ckptvault._codecs.planes import BytePlanes, plane_table, split_planes
+from ckptvault._codecs.zstd import LEVEL1_ACCELERATION, LEVEL1_HASH_LOG, LITERALS_FROM, SPARSE_BELOW, Zstd
 
 
 def _skewed_noise(n: int, seed: int = 0) -> bytes:

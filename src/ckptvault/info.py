@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from .format.records import LossyInfo, Manifest, TensorRecord
+from ._format.records import LossyInfo, Manifest, TensorRecord
 
 
 @dataclass(frozen=True)

@@ -7,24 +7,23 @@ import os
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from .argcheck import check_kind, check_progress
-from .codecs import DEFAULT_CODEC
-from .codecs.planes import load_kernels_in_background
-from .delta import DeltaPolicy
+from ._argcheck import check_kind, check_progress
+from ._codecs import DEFAULT_CODEC
+from ._codecs.lossy import SafetyPolicy
+from ._codecs.planes import load_kernels_in_background
+from ._delta.policy import DeltaPolicy
+from ._format.manifest import manifest_key
+from ._maintenance.mixin import MaintenanceMixin, Retention, apply_retention
+from ._reports.verify import VerifyReport, verify_steps
+from ._restore import restore_into, restore_tree
+from ._save.commit import check_step, json_fields
+from ._save.pipeline import Saver, SaveRequest
+from ._vault import Vault
 from .errors import StepExistsError, VaultNotFoundError
-from .format.manifest import manifest_key
 from .handle import SaveHandle
 from .info import CheckpointInfo, info_from_manifest
-from .lossy import SafetyPolicy
-from .maintenance import MaintenanceMixin, Retention, apply_retention
-from .presets import preset_rules
-from .restore import restore_into, restore_tree
-from .rules import CodecRules
-from .save import check_step, json_fields
-from .saver import Saver, SaveRequest
+from .rules import CodecRules, preset_rules
 from .stores import Store
-from .vault import Vault
-from .verify import VerifyReport, verify_steps
 
 log = logging.getLogger(__name__)
 
@@ -40,8 +39,8 @@ class CheckpointManager(MaintenanceMixin):
     where fewer objects save time). ``codec`` is the default lossless codec for new vaults (``zstd``,
     ``lz4``, ``none``/``fast``, ``zstd-N``); ``codec_rules`` override it per key
     path, first match wins, and may name lossy codecs (``bf16``, ``fp16``,
-    ``int8-block[:B]``, ``residual-int8[:B]``; see ``lossy.py``) or be a preset
-    name (``"moments-compact"``; see ``presets.py``). Lossy results that flush
+    ``int8-block[:B]``, ``residual-int8[:B]``; see ``_codecs/lossy.py``) or be a preset
+    name (``"moments-compact"``; see ``rules.py``). Lossy results that flush
     more than ``max_flushed`` of the non-zero values, overflow or make NaNs
     are handled per ``on_unsafe`` (``"fallback"``, ``"fail"``, ``"keep"``).
     Use as a context manager or call :meth:`close`.

@@ -26,8 +26,8 @@ import _seeds
 import atheris
 
 with atheris.instrument_imports(include=["ckptvault"]):
+    from ckptvault._format.chunk_object import chunk_id, decode_payload, parse_object
     from ckptvault.errors import CorruptChunkError, FormatVersionError
-    from ckptvault.format.chunk_object import chunk_id, decode_payload, parse_object
 
 from hostile.make_corpus import join_chunk, split_chunk  # noqa: E402 - after the instrumented imports
 

@@ -26,10 +26,10 @@ import _seeds
 import atheris
 
 with atheris.instrument_imports(include=["ckptvault"]):
+    from ckptvault._format.manifest import decode_manifest
+    from ckptvault._tree import leaf_paths
     from ckptvault.errors import CorruptManifestError, FormatVersionError
-    from ckptvault.format.manifest import decode_manifest
     from ckptvault.info import info_from_manifest
-    from ckptvault.tree import leaf_paths
 
 from hostile.make_corpus import MANIFEST_KEY, manifest_body_bytes, wrap_manifest  # noqa: E402
 

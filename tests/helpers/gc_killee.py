@@ -18,8 +18,8 @@ import os
 import sys
 import traceback
 
-from ckptvault.gc import collect
-from ckptvault.vault import Vault
+from ckptvault._maintenance.gc import collect
+from ckptvault._vault import Vault
 
 
 def _child(vault: str, grace: float) -> None:

@@ -25,8 +25,8 @@ torch.set_num_threads(1)
 from statedigest import state_digest  # noqa: E402  (this script's folder is sys.path[0])
 
 from ckptvault import CheckpointManager  # noqa: E402
+from ckptvault._maintenance.retention import Retention  # noqa: E402
 from ckptvault.errors import SaveError  # noqa: E402
-from ckptvault.retention import Retention  # noqa: E402
 
 CHUNK_SIZE = 64 << 10
 

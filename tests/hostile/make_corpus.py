@@ -76,7 +76,7 @@ COMMANDS = {
     "restore_into": "CheckpointManager(vault).restore(3, into=<base_state() with every array zeroed>)",
     "info": "CheckpointManager(vault).steps(), then .info(step) of each (what `ckptvault ls` reads)",
     "verify": "CheckpointManager(vault).verify(3): a VerifyReport",
-    "gc_plan": "ckptvault.gc.plan_gc(Vault(vault)) (what `ckptvault gc --dry-run` computes)",
+    "gc_plan": "plan_gc(Vault(vault)) (what `ckptvault gc --dry-run` computes)",
     "cli_verify": "ckptvault verify VAULT",
     "cli_ls": "ckptvault ls VAULT",
     "cli_show": "ckptvault show VAULT 3",
@@ -167,7 +167,7 @@ def chunk_key(cid: str) -> str:
 def build_base(target: Path) -> None:
     """Save :func:`base_state` into a new vault at ``target`` and pin the fields that vary between saves."""
     import ckptvault
-    from ckptvault.format.manifest import decode_manifest, encode_manifest
+    from ckptvault._format.manifest import decode_manifest, encode_manifest
 
     with ckptvault.CheckpointManager(target, chunk_size=CHUNK_SIZE, async_save=False) as mgr:
         mgr.save(STEP, base_state(), metrics={"loss": 1.5}, metadata={"run": "hostile"})

@@ -186,10 +186,10 @@ def _ops() -> dict[str, Any]:  # pragma: no cover - runs in the worker process
     from click.testing import CliRunner
 
     import ckptvault
+    from ckptvault._maintenance.gc import plan_gc
+    from ckptvault._tree import scalar_value
+    from ckptvault._vault import Vault
     from ckptvault.cli import main
-    from ckptvault.gc import plan_gc
-    from ckptvault.tree import scalar_value
-    from ckptvault.vault import Vault
     from helpers.statedigest import state_digest
     from hostile.make_corpus import base_state, zeroed
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import click
 
-from ..copy import CopyPlan, CopyResult, execute_copy, plan_copy
+from .._maintenance.copy import CopyPlan, CopyResult, execute_copy, plan_copy
+from .._vault import Vault
 from ..errors import InvalidArgumentError
-from ..vault import Vault
 from .common import emit_json, group_storage_options, json_option, parse_options, progress_bar, progress_option
 from .render import human_bytes
 

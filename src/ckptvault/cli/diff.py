@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from ..diff import CheckpointDiff, TensorDiff, diff_steps
+from .._reports.diff import CheckpointDiff, TensorDiff, diff_steps
 from .common import emit_json, json_option, open_manager, progress_bar, progress_option, require_steps, url_argument
 from .render import dtype_label, human_bytes, key_value_block, percent, shape_label, table
 

@@ -6,10 +6,10 @@ from typing import Any
 
 import click
 
+from .._reports.usage import VaultUsage, vault_usage
 from ..errors import VaultError
 from ..info import CheckpointInfo, TensorInfo
 from ..rules import any_match
-from ..usage import VaultUsage, vault_usage
 from .common import EXIT_DAMAGED, emit_json, json_option, open_manager, step_argument, url_argument
 from .render import (
     compact_mapping,

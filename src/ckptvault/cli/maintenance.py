@@ -3,7 +3,7 @@
 All four are safe to run from a scheduled job (cron, a Kubernetes CronJob)
 while a training job saves into the same vault: prune never deletes the
 latest or a pinned checkpoint, and gc only deletes unreferenced chunks older
-than its grace period (see ckptvault.gc).
+than its grace period (see ckptvault._maintenance.gc).
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from typing import Any
 
 import click
 
-from ..gc import GCPlan, GCResult
-from ..prune import PrunePlan, PruneResult
-from ..retention import DEFAULT_GRACE, Retention
+from .._maintenance.gc import GCPlan, GCResult
+from .._maintenance.prune import PrunePlan, PruneResult
+from .._maintenance.retention import DEFAULT_GRACE, Retention
 from .common import emit_json, json_option, open_manager, url_argument
 from .render import human_bytes
 

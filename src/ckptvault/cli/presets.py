@@ -6,7 +6,7 @@ from typing import Any
 
 import click
 
-from ..presets import PRESETS, preset_rules
+from ..rules import PRESETS, preset_rules
 from .common import emit_json, json_option
 from .render import table
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import click
 
+from .._format.chunk_object import chunk_key
+from .._reports.usage import referenced_chunks
+from .._vault import Vault
 from ..errors import ObjectNotFoundError
-from ..format.chunk_object import chunk_key
-from ..usage import referenced_chunks
-from ..vault import Vault
 from .common import emit_json, fail, json_option, open_manager, require_steps, step_argument, url_argument
 from .render import human_bytes
 

@@ -6,9 +6,9 @@ from typing import Any
 
 import click
 
+from .._reports.verify import VerifyReport
 from ..errors import VaultError
 from ..manager import CheckpointManager
-from ..verify import VerifyReport
 from .common import (
     EXIT_DAMAGED,
     emit_json,

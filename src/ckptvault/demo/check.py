@@ -24,7 +24,7 @@ import blake3
 import numpy as np
 import torch
 
-from ..arrays import host_contiguous, ndarray_bytes, tensor_bytes
+from .._arrays import host_contiguous, ndarray_bytes, tensor_bytes
 
 DIGESTS_FILE = "digests.json"
 TORCH_FILE = "state.pt"

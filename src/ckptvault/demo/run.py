@@ -25,11 +25,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .._maintenance.mixin import Retention
+from .._vault import DESCRIPTOR_KEY
 from ..errors import InvalidArgumentError, VaultError
-from ..maintenance import Retention
 from ..manager import CheckpointManager
 from ..stores import LocalStore, open_store
-from ..vault import DESCRIPTOR_KEY
 from .check import STORAGE_OPTIONS_ENV, write_reference
 from .model import num_params
 from .train import TrainConfig, Trainer

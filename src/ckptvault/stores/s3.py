@@ -40,8 +40,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from ..errors import InvalidArgumentError, ObjectNotFoundError, PermanentStorageError, RetryableStorageError
-from .base import ObjectInfo, Store, check_size
-from .s3_support import (
+from ._s3_support import (
     MAX_SINGLE_PUT,
     NOT_FOUND_CODES,
     PayloadReader,
@@ -55,6 +54,7 @@ from .s3_support import (
     parse_s3_url,
     retry_attempts,
 )
+from .base import ObjectInfo, Store, check_size
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -1,0 +1,75 @@
+"""Which keyframe chunk each new chunk of a delta save is encoded against: the one that held exactly the same
+region of the same tensor in the keyframe, stored the same way (a pure function of the plans and the keyframe)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from .._format.records import LossyInfo, Manifest, TensorRecord
+from .._save.chunking import ChunkPlan
+from .._save.snapshot import ArrayRecord
+
+
+@dataclass(frozen=True)
+class BaseRef:
+    """The keyframe chunk a planned chunk may be delta-encoded against."""
+
+    id: str
+    stored: int
+
+
+def find_bases(plans: list[ChunkPlan], records: list[ArrayRecord], keyframe: Manifest) -> list[BaseRef | None]:
+    """For each planned chunk, the keyframe chunk that held exactly the same region, if any.
+
+    A region matches when every array in the chunk has the same key path,
+    dtype and shape in the keyframe and sits at the same offset of one full
+    (non-delta) keyframe chunk of the same length.
+    """
+    by_path = {t.path: t for t in keyframe.tensors}
+    chunks = keyframe.chunks
+    bases: list[BaseRef | None] = []
+    for plan in plans:
+        candidate: int | None = None
+        offset = 0
+        for source in plan.sources:
+            located = _locate(by_path.get(records[source.leaf].path), records[source.leaf], source.start, source.length)
+            if located is None or located[1] != offset or candidate not in (None, located[0]):
+                candidate = None
+                break
+            candidate = located[0]
+            offset += source.length
+        entry = chunks[candidate] if candidate is not None else None
+        usable = entry is not None and entry.base is None and entry.raw == plan.nbytes
+        bases.append(BaseRef(entry.id, entry.stored) if entry is not None and usable else None)
+    return bases
+
+
+def _locate(base: TensorRecord | None, record: ArrayRecord, start: int, length: int) -> tuple[int, int] | None:
+    """(chunk index, offset in chunk) of bytes [start, start+length) of ``base``, if in one piece."""
+    if base is None or base.kind != record.kind or base.dtype != record.dtype or base.shape != tuple(record.shape):
+        return None
+    if _stored_as(base.lossy) != _pending_stored_as(record.lossy):
+        return None
+    position = 0
+    for piece in base.pieces:
+        if position == start:
+            return (piece.chunk, piece.offset) if piece.length == length else None
+        position += piece.length
+    return None
+
+
+def _stored_as(lossy: LossyInfo | None) -> tuple[Any, ...]:
+    """What identifies a manifest record's lossy stored form (() for exact storage); deltas need equal forms."""
+    return () if lossy is None else _form(lossy.codec, lossy.block, lossy.stored_dtype, lossy.base_step)
+
+
+def _pending_stored_as(lossy: dict[str, Any] | None) -> tuple[Any, ...]:
+    """:func:`_stored_as` of the lossy description a save is about to write (``ArrayRecord.lossy``)."""
+    if not lossy:
+        return ()
+    return _form(lossy["codec"], lossy.get("block"), lossy.get("stored_dtype"), lossy.get("base_step"))
+
+
+def _form(codec: str, block: int | None, stored_dtype: str | None, base_step: int | None) -> tuple[Any, ...]:
+    return () if codec == "lossless" else (codec, block, stored_dtype, base_step)

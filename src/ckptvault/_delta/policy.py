@@ -1,0 +1,240 @@
+"""Incremental checkpoints: chunk deltas against a keyframe, plane by plane.
+
+A *keyframe* is a checkpoint stored without deltas. Every later checkpoint,
+until the next keyframe, may store a changed chunk against the chunk that held
+the same region in the keyframe: plane by plane, each byte plane stored either
+on its own or XORed with the base's plane, whichever compresses better
+(``_codecs/xplanes.py``). XOR of two nearby float states leaves the sign,
+exponent and high mantissa bits mostly zero, which compresses well; the low
+mantissa planes are noise either way and are stored without the base, so a
+restore reads only the base's high planes (``reads.py``). Vaults written
+before plane deltas may hold whole-chunk XOR deltas, which stay readable.
+
+Invariants (docs/DESIGN.md):
+
+* A delta's base is always a full (non-delta) chunk object, so restoring any
+  chunk reads at most two objects: restore chains have length <= 1.
+* A delta is named, like every chunk, by the hash of its *reconstructed* raw
+  bytes, and verified against it after the XOR.
+* The manifest records each delta's base chunk id (``"base"``), so garbage
+  collection keeps a base alive as long as any delta needs it, whatever
+  happens to the keyframe's own manifest.
+
+The keyframe cadence: a new keyframe every ``every`` checkpoints, or as soon as
+the previous checkpoint's added bytes exceed ``growth`` x the keyframe's stored
+bytes, or when there is no usable keyframe.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from .._argcheck import check_kind
+from .._codecs.planes import scratch, split_planes
+from .._format.manifest import manifest_key
+from .._format.records import Manifest
+from .._parallel import map_all
+from .._save.guard import ManifestGuard
+from ..errors import InvalidArgumentError, ObjectNotFoundError, StepNotFoundError, VaultError
+
+if TYPE_CHECKING:
+    from .._vault import Vault
+
+log = logging.getLogger(__name__)
+
+@dataclass(frozen=True)
+class DeltaPolicy:
+    """When to write a keyframe. ``enabled=False`` stores every checkpoint in full."""
+
+    enabled: bool = True
+    every: int = 10
+    growth: float = 0.9
+
+    def __post_init__(self) -> None:
+        check_kind("incremental", self.enabled, bool)
+        check_kind("keyframe_every", self.every, int)
+        check_kind("keyframe_growth", self.growth, int, float)
+        if self.every < 1:
+            raise InvalidArgumentError(f"keyframe_every must be >= 1, got {self.every}")
+        if not 0 < self.growth:
+            raise InvalidArgumentError(f"keyframe_growth must be > 0, got {self.growth}")
+
+    def needs_keyframe(self, latest: Manifest | None, keyframe: Manifest | None) -> bool:
+        """True if the next checkpoint should be a keyframe, given the latest manifest and its keyframe's."""
+        if not self.enabled or latest is None or keyframe is None:
+            return True
+        if latest.since_keyframe + 1 >= self.every:
+            return True
+        if latest is keyframe or latest.step == keyframe.step:
+            return False
+        return latest.added_bytes > self.growth * max(keyframe.stored_bytes, 1)
+
+
+class KeyframeCache:
+    """The high byte planes of the latest keyframe's chunks, kept in host memory so that deltas need no reads of it.
+
+    Without it, every delta save reads its keyframe's chunks back from the store (a GET per chunk on S3),
+    checks them and splits them into planes. With it, a keyframe save keeps the high planes of each chunk
+    (:func:`kept_planes`: for float32, the sign-and-exponent plane and the high mantissa plane; half the
+    state's bytes) and later delta saves against that keyframe XOR against those. The low planes are not
+    kept: between nearby float states they are noise, which a delta stores on its own anyway (W1, one step
+    and ten steps apart: 2 of 326 chunks XORed a low plane); a delta against the cache stores them on
+    their own, unless the chunk barely changed (``_codecs/xplanes.py``, ``BARELY_CHANGED``: rows a sparse
+    optimizer did not touch), when it reads the whole base instead.
+
+    Call order, one save at a time: :meth:`begin` when a keyframe save starts (frees the previous
+    keyframe's planes first), :meth:`add` per chunk (it only notes the chunk's bytes), then, once its
+    manifest is committed, :meth:`commit`, which splits and copies the noted chunks' planes; or :meth:`abort`.
+    :meth:`clear` frees it all. Only a committed keyframe's planes are ever used. The bytes :meth:`add` noted
+    must stay unchanged until :meth:`commit` returns (the staging buffer, or a state the caller is not yet
+    allowed to modify): the saver commits the cache after the save's handle reports the commit, before the
+    next save may stage, so filling it costs a save's wait nothing. Thread-safe for the chunk writers of
+    one save.
+    """
+
+    def __init__(self) -> None:
+        self._chunks: dict[str, tuple[int, np.ndarray]] = {}  # chunk id -> (typesize, kept x n high planes)
+        self._step: int | None = None  # the committed keyframe the planes belong to
+        self._filling: int | None = None
+        self._noted: dict[str, tuple[int, memoryview]] = {}  # chunk id -> (typesize, bytes), until commit
+        self._spare: dict[tuple[int, int], list[np.ndarray]] = {}  # the previous keyframe's arrays, by shape
+        self._lock = threading.Lock()
+
+    def begin(self, step: int) -> None:
+        """Start filling for keyframe ``step``. The previous keyframe's arrays are reused for this one's planes
+        where their shapes match (new memory is slow to fault in; the staging buffer is reused likewise)."""
+        with self._lock:
+            for _typesize, kept in self._chunks.values():
+                self._spare.setdefault(kept.shape, []).append(kept)
+            self._chunks, self._noted, self._step, self._filling = {}, {}, None, step
+
+    def add(self, cid: str, raw: memoryview, typesize: int) -> None:
+        """Note chunk ``cid`` (``raw``, elements of ``typesize`` bytes) for :meth:`commit` to keep, if a keyframe
+        save is filling the cache; nothing is copied yet."""
+        if self._filling is None:
+            return
+        with self._lock:
+            self._noted.setdefault(cid, (typesize, raw))
+
+    def commit(self, step: int, pool: ThreadPoolExecutor) -> None:
+        """Keep the high planes of every chunk noted for keyframe ``step`` (now committed) and make them usable;
+        the chunks are split and copied on ``pool``. On any error (MemoryError) the cache is left empty and the
+        error raised: deltas then read the store."""
+        if self._filling != step:
+            return
+        noted = list(self._noted.items())
+        try:
+            kept = map_all(pool, self._kept, noted)
+        except BaseException:
+            self.abort()
+            raise
+        with self._lock:
+            self._chunks = {cid: (typesize, planes) for (cid, (typesize, _raw)), planes in zip(noted, kept, strict=True)}
+            self._step, self._filling, self._noted, self._spare = step, None, {}, {}
+
+    def _kept(self, item: tuple[str, tuple[int, memoryview]]) -> np.ndarray:
+        """The high planes of a noted chunk, in a spare array of the previous keyframe where one has their shape."""
+        _cid, (typesize, raw) = item
+        planes = split_planes(raw, typesize, scratch(len(raw), "planes"))[0]  # this thread's; copied below
+        high = planes[typesize - kept_planes(typesize):]
+        with self._lock:
+            spare = self._spare.get(high.shape)
+            into = spare.pop() if spare else None
+        return high.copy() if into is None else _copied(high, into)
+
+    def abort(self) -> None:
+        with self._lock:
+            self._chunks, self._noted, self._filling, self._spare = {}, {}, None, {}
+
+    def clear(self) -> None:
+        with self._lock:
+            self._chunks, self._noted, self._step, self._filling, self._spare = {}, {}, None, None, {}
+
+    def planes(self, keyframe_step: int | None, cid: str, typesize: int) -> list[np.ndarray | None] | None:
+        """The byte planes of chunk ``cid`` of committed keyframe ``keyframe_step``, if cached with ``typesize``:
+        None in place of each low plane that is not kept."""
+        entry = self._chunks.get(cid) if keyframe_step is not None and keyframe_step == self._step else None
+        if entry is None or entry[0] != typesize:
+            return None
+        kept = entry[1]
+        return [None] * (typesize - len(kept)) + list(kept)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(planes.nbytes for _typesize, planes in self._chunks.values())
+
+
+def _copied(source: np.ndarray, into: np.ndarray) -> np.ndarray:
+    np.copyto(into, source)
+    return into
+
+
+def kept_planes(typesize: int) -> int:
+    """How many of a chunk's byte planes (the highest) the keyframe cache keeps: all of 1- and 2-byte
+    elements, the upper half of wider ones."""
+    return typesize if typesize <= 2 else (typesize + 1) // 2
+
+
+@dataclass
+class DeltaContext:
+    """What one save may delta-encode against.
+
+    ``keyframe``: the keyframe's manifest, or None when this save writes a
+    keyframe. ``known_bases``: chunk id -> delta base (or None) for chunks of
+    recent manifests, so reusing them needs no header read. ``guard``: those
+    manifests as stat'ed before they were read, so the chunks they name need
+    no touch (``_save/guard.py``). ``cache``: the saver's keyframe cache, if it keeps one.
+    """
+
+    keyframe: Manifest | None = None
+    known_bases: dict[str, str | None] = field(default_factory=dict)
+    since_keyframe: int = 0
+    cache: KeyframeCache | None = None
+    guard: ManifestGuard = field(default_factory=ManifestGuard)
+
+    @property
+    def keyframe_step(self) -> int | None:
+        return None if self.keyframe is None else self.keyframe.step
+
+
+def delta_context(vault: Vault, policy: DeltaPolicy, step: int) -> DeltaContext:
+    """Decide whether checkpoint ``step`` is a keyframe and, if not, against which keyframe.
+
+    Reads at most two manifests (the latest committed before ``step`` and its
+    keyframe), each stat'ed first for the save's :class:`ManifestGuard`. A
+    keyframe that was deleted, or any unreadable manifest, simply makes this
+    save a keyframe.
+    """
+    earlier = [s for s in vault.steps() if s < step]
+    if not policy.enabled or not earlier:
+        return DeltaContext()
+    watched: dict[str, tuple[int, float]] = {}
+    try:
+        latest = _read_watched(vault, earlier[-1], watched)
+        keyframe = latest if latest.keyframe == latest.step else _read_watched(vault, latest.keyframe, watched)
+    except VaultError as exc:
+        log.info("writing a keyframe: no usable previous keyframe (%s)", exc)
+        return DeltaContext()
+    known = {**keyframe.chunk_bases(), **latest.chunk_bases()}
+    guard = ManifestGuard(watched, known)
+    if policy.needs_keyframe(latest, keyframe):
+        return DeltaContext(known_bases=known, guard=guard)
+    return DeltaContext(keyframe, known, latest.since_keyframe + 1, guard=guard)
+
+
+def _read_watched(vault: Vault, step: int, watched: dict[str, tuple[int, float]]) -> Manifest:
+    """Manifest of ``step``, after noting its size and mtime in ``watched`` (stat first: what is read is at least
+    as new as what was noted, so a change in between shows as a change)."""
+    key = manifest_key(step)
+    try:
+        info = vault.store.stat(key)
+    except ObjectNotFoundError:
+        raise StepNotFoundError(step, vault.url) from None
+    watched[key] = (info.size, info.mtime)
+    return vault.read_manifest(step)

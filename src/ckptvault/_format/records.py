@@ -1,0 +1,200 @@
+"""The typed model of a manifest: what ``format.schema`` parses a manifest body into, and what a save builds.
+
+Every class is a frozen dataclass whose fields mirror the JSON fields of docs/DESIGN.md section 4;
+``to_json`` gives the body back with its keys in the order the format has always written them, so encoding a
+parsed manifest reproduces its bytes. Code above ``format/`` reads manifests only through these types.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+#: a state's JSON skeleton (_tree.py); checked node by node by the schema, kept as JSON
+Node = dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class Piece:
+    """``length`` bytes at ``offset`` in chunk ``chunk`` (an index into the manifest's chunk table)."""
+
+    chunk: int
+    offset: int
+    length: int
+
+    def to_json(self) -> list[int]:
+        return [self.chunk, self.offset, self.length]
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkRef:
+    """One entry of the chunk table: a chunk object, its raw and stored sizes, whether this save created it, and
+    (for a delta) the full chunk it is a delta against."""
+
+    id: str
+    raw: int
+    stored: int
+    new: bool = False
+    base: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"id": self.id, "raw": self.raw, "stored": self.stored, "new": self.new}
+        if self.base is not None:
+            out["base"] = self.base
+        return out
+
+
+@dataclass(frozen=True)
+class LossyInfo:
+    """How a tensor is stored lossily (docs/DESIGN.md section 12); ``codec`` "lossless" when it fell back."""
+
+    codec: str
+    block: int | None = None
+    stored_dtype: str | None = None
+    stored_shape: tuple[int, ...] | None = None
+    original_nbytes: int | None = None
+    error: dict[str, Any] | None = None
+    notes: tuple[str, ...] = ()
+    parts: dict[str, int] = field(default_factory=dict)
+    base_step: int | None = None
+    base_pieces: tuple[Piece, ...] | None = None
+    requested: str | None = None
+
+    @property
+    def is_lossy(self) -> bool:
+        return self.codec != "lossless"
+
+    def to_json(self) -> dict[str, Any]:
+        if not self.is_lossy:
+            out: dict[str, Any] = {"codec": self.codec}
+            if self.requested is not None:
+                out["requested"] = self.requested
+            out["notes"] = list(self.notes)
+            return out
+        out = {"codec": self.codec}
+        if self.block is not None:
+            out["block"] = self.block
+        out.update({"stored_dtype": self.stored_dtype, "stored_shape": list(self.stored_shape or ()),
+                    "original_nbytes": self.original_nbytes, "error": self.error, "parts": dict(self.parts)})
+        if self.notes:
+            out["notes"] = list(self.notes)
+        if self.base_pieces is not None:
+            out["base_step"] = self.base_step
+            out["base_pieces"] = [p.to_json() for p in self.base_pieces]
+        return out
+
+
+@dataclass(frozen=True)
+class TensorRecord:
+    """One stored array: its key path, kind (``torch``, ``numpy``, ``pickle``, or ``part`` for a lossy tensor's
+    scales), dtype and shape as restored, and the pieces holding its stored bytes (``nbytes`` of them)."""
+
+    path: str
+    kind: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+    codec: str
+    pieces: tuple[Piece, ...]
+    global_shape: tuple[int, ...] | None = None
+    offsets: tuple[int, ...] | None = None
+    requires_grad: bool = False
+    device: str | None = None
+    lossy: LossyInfo | None = None
+
+    @property
+    def is_lossy(self) -> bool:
+        """Stored in a lossy form (restore decodes it to ``dtype``)."""
+        return self.lossy is not None and self.lossy.is_lossy
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def restored_nbytes(self) -> int:
+        """Bytes of the array as restored (``nbytes`` is its stored form's, smaller for a lossy record)."""
+        if self.is_lossy and self.lossy is not None and self.lossy.original_nbytes is not None:
+            return self.lossy.original_nbytes
+        return self.nbytes
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"path": self.path, "kind": self.kind, "dtype": self.dtype, "shape": list(self.shape),
+                               "global_shape": list(self.global_shape if self.global_shape is not None else self.shape),
+                               "offsets": list(self.offsets if self.offsets is not None else [0] * len(self.shape)),
+                               "nbytes": self.nbytes, "codec": self.codec, "pieces": [p.to_json() for p in self.pieces]}
+        if self.requires_grad:
+            out["requires_grad"] = True
+        if self.device is not None:
+            out["device"] = self.device
+        if self.lossy is not None:
+            out["lossy"] = self.lossy.to_json()
+        return out
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """A checkpoint's manifest (docs/DESIGN.md section 4): its step, sizes, user metrics and metadata, the keyframe
+    its deltas are against, the state's skeleton, its tensor records and the chunks they use."""
+
+    step: int
+    time: float
+    tree: Node
+    tensors: tuple[TensorRecord, ...]
+    chunks: tuple[ChunkRef, ...]
+    logical_bytes: int = 0
+    stored_bytes: int = 0
+    added_bytes: int = 0
+    metrics: dict[str, Any] = field(default_factory=dict)
+    metadata: dict[str, Any] = field(default_factory=dict)
+    keyframe_step: int | None = None
+    since_keyframe: int = 0
+    pickle: bool = False
+    writer: str | None = None
+    requires: tuple[str, ...] = ()
+    version: int = 1
+
+    @property
+    def keyframe(self) -> int:
+        """The keyframe whose chunks this checkpoint's deltas are against (its own step for a keyframe)."""
+        return self.step if self.keyframe_step is None else self.keyframe_step
+
+    def chunk_bases(self) -> dict[str, str | None]:
+        """Each chunk id this checkpoint names -> the full chunk it is a delta against (None for a full chunk)."""
+        return {c.id: c.base for c in self.chunks}
+
+    def to_json(self) -> dict[str, Any]:
+        """The manifest body, keys in the order the format writes them."""
+        from .schema import MANIFEST_FORMAT  # the schema imports this module
+
+        out: dict[str, Any] = {"format": MANIFEST_FORMAT, "version": self.version, "step": self.step, "time": self.time}
+        if self.writer is not None:
+            out["writer"] = self.writer
+        out.update({"hash": "blake3", "pickle": self.pickle, "logical_bytes": self.logical_bytes,
+                    "stored_bytes": self.stored_bytes, "added_bytes": self.added_bytes, "metrics": self.metrics,
+                    "metadata": self.metadata, "keyframe_step": self.keyframe, "since_keyframe": self.since_keyframe,
+                    "tree": self.tree, "tensors": [t.to_json() for t in self.tensors],
+                    "chunks": [c.to_json() for c in self.chunks]})
+        if self.requires:
+            out["requires"] = list(self.requires)
+        return out
+
+
+@dataclass(frozen=True)
+class Descriptor:
+    """``vault.json``: the vault's chunk size and default codec, fixed when the vault is created."""
+
+    chunk_size: int
+    codec: str
+    created: float | None = None
+    version: int = 1
+
+    def to_json(self) -> dict[str, Any]:
+        from .schema import HASH_NAME, VAULT_FORMAT  # the schema imports this module
+
+        out: dict[str, Any] = {"format": VAULT_FORMAT, "version": self.version, "chunk_size": self.chunk_size,
+                               "codec": self.codec, "hash": HASH_NAME}
+        if self.created is not None:
+            out["created"] = self.created
+        return out

@@ -1,0 +1,259 @@
+"""The save pipeline shared by synchronous and asynchronous saves.
+
+Order of calls for one save: ``Saver.submit`` (caller's thread: raise any
+unreported error of an earlier save, wait for or skip a save in flight,
+take the snapshot) -> ``_complete`` (background thread when asynchronous:
+choose the delta base, write chunks, commit the manifest, report the commit on
+the handle, fill the keyframe cache, run the after-commit hook such as
+retention). At most one save is in flight per Saver, so staging
+memory is bounded by one copy of the state; the keyframe cache (by default for
+asynchronous saves) holds the high half of the latest keyframe's bytes on top.
+
+Errors of a background save are set on its handle and also kept until the
+next ``submit``, ``wait`` or ``close``, which raise them: a failure is never
+lost, and a failed save never commits. They are ckptvault's typed errors: an
+exception that is not one (a third-party store's, a codec bug, MemoryError)
+arrives as a ``SaveError`` naming it, with the original as its ``__cause__``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import threading
+import warnings
+import weakref
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from .._argcheck import check_kind
+from .._codecs.lossy import SafetyPolicy
+from .._delta.policy import DeltaPolicy, KeyframeCache, delta_context
+from .._vault import Vault
+from ..errors import InvalidArgumentError, SaveError, VaultError
+from ..handle import SaveHandle
+from ..info import info_from_manifest
+from ..rules import CodecRules
+from .chunks import write_chunks
+from .commit import build_manifest, commit
+from .lossy import LossyBuffers, apply_lossy
+from .snapshot import Snapshot, take_snapshot
+from .staging import StagingBuffer
+
+log = logging.getLogger(__name__)
+
+Progress = Callable[[int], None]
+ON_BUSY = ("wait", "skip")
+
+
+@dataclass
+class SaveRequest:
+    step: int
+    metrics: dict[str, Any] | None
+    metadata: dict[str, Any] | None
+    overwrite: bool
+    progress: Progress | None
+    lossless: str = "zstd"  # the lossless codec that "lossless" and bare lossy rules use
+
+
+class Saver:
+    """Runs saves into one vault, in the background when ``async_save``."""
+
+    def __init__(self, vault: Vault, delta_policy: DeltaPolicy, *, async_save: bool = True, on_busy: str = "wait",
+                 max_staging_bytes: int | None = None, after_commit: Callable[[int], None] | None = None,
+                 safety: SafetyPolicy | None = None, cache_keyframe: bool | None = None) -> None:
+        if on_busy not in ON_BUSY:
+            raise InvalidArgumentError(f"on_busy must be one of {ON_BUSY}, got {on_busy!r}")
+        check_kind("async_save", async_save, bool)
+        check_kind("cache_keyframe", cache_keyframe, bool, type(None))
+        check_kind("max_staging_bytes", max_staging_bytes, int, type(None))
+        if max_staging_bytes is not None and max_staging_bytes < 0:
+            raise InvalidArgumentError(f"max_staging_bytes must be at least 0 (None: no cap), got {max_staging_bytes}")
+        self.vault, self.delta_policy = vault, delta_policy
+        self.async_save, self.on_busy = async_save, on_busy
+        self.max_staging_bytes = max_staging_bytes
+        self.after_commit = after_commit
+        self.safety = safety or SafetyPolicy()
+        self._staging = StagingBuffer()
+        self._lossy_buffers = LossyBuffers()  # with the staging buffer: asynchronous saves reuse their memory
+        # None: keep it while saving asynchronously, where the staging buffer already holds a copy of the state
+        self.cache_keyframe = cache_keyframe
+        wanted = async_save if cache_keyframe is None else cache_keyframe
+        deltas = delta_policy.enabled and delta_policy.every > 1  # every=1: every checkpoint is a keyframe
+        self._keyframe_cache = KeyframeCache() if wanted and deltas else None
+        self._executor: ThreadPoolExecutor | None = None
+        self._inflight: SaveHandle | None = None
+        self._task: Future[None] | None = None
+        self._error: BaseException | None = None
+        self._error_handle: SaveHandle | None = None  # the failed save's handle: its wait() reports the error
+        self._lock = threading.Lock()
+        _LIVE.add(self)
+
+    @property
+    def inflight_step(self) -> int | None:
+        handle = self._inflight
+        return handle.step if handle is not None and not handle.done() else None
+
+    def submit(self, request: SaveRequest, state: Any, rules: CodecRules, allow_pickle: bool) -> SaveHandle:
+        """Stage ``state`` and start (or, when synchronous, run) its save."""
+        self.raise_pending()
+        if self.inflight_step is not None and self.on_busy == "skip":
+            warnings.warn(f"skipping the save of step {request.step}: step {self.inflight_step} is still being saved",
+                          RuntimeWarning, stacklevel=3)
+            return SaveHandle.skipped_save(request.step)
+        self._wait_inflight()
+        self.raise_pending()
+        staging = self._staging if self.async_save else None
+        snapshot = take_snapshot(state, rules, allow_pickle, staging, self.max_staging_bytes)
+        if self.async_save and not snapshot.staged:
+            log.warning("step %d needs more staging memory than max_staging_bytes=%s; saving synchronously",
+                        request.step, self.max_staging_bytes)
+        handle = SaveHandle(request.step)
+        handle.staged.set_result(None)
+        if snapshot.staged:
+            self._inflight = handle
+            self._task = self._pool().submit(self._complete, handle, request, snapshot)
+        else:
+            self._complete(handle, request, snapshot)
+            self.raise_pending()
+        return handle
+
+    def _complete(self, handle: SaveHandle, request: SaveRequest, snapshot: Snapshot) -> None:
+        """Steps after the snapshot. Never raises: the outcome goes to the handle (and errors to pending)."""
+        try:
+            delta = delta_context(self.vault, self.delta_policy, request.step)
+            delta.cache = self._keyframe_cache
+            if delta.cache is not None and delta.keyframe is None:
+                if snapshot.staged or self.cache_keyframe:
+                    delta.cache.begin(request.step)
+                else:  # by default not for a state too large to stage (max_staging_bytes): memory is short
+                    delta.cache.clear()
+            buffers = self._lossy_buffers if snapshot.staged else None
+            snapshot = apply_lossy(snapshot, self.safety, request.lossless, self.vault, delta.keyframe, buffers)
+            chunks, pieces = write_chunks(self.vault, snapshot, request.progress, delta)
+            manifest = build_manifest(request.step, snapshot, chunks, pieces, request.metrics, request.metadata,
+                                      delta.keyframe_step, delta.since_keyframe)
+            commit(self.vault, request.step, manifest, request.overwrite, delta.guard)
+        except BaseException as caught:  # noqa: BLE001 - handed to the caller, not swallowed
+            if self._keyframe_cache is not None:
+                self._keyframe_cache.abort()
+            what = f"the save of step {request.step} failed, nothing committed"
+            exc = _typed(caught, what)
+            log.error("%s", exc if exc is not caught else f"{what}: {caught}")  # a wrapped one says it already
+            with self._lock:
+                self._error, self._error_handle = exc, handle
+            handle.committed.set_exception(exc)
+            return
+        handle.committed.set_result(info_from_manifest(manifest))
+        self._commit_keyframe_cache(request.step)
+        if self.after_commit is not None:
+            try:
+                self.after_commit(request.step)
+            except BaseException as exc:  # noqa: BLE001 - kept for the next save, wait or close
+                log.error("after-commit step (retention) of step %d failed: %s", request.step, exc)
+                with self._lock:
+                    self._error = _typed(exc, f"step {request.step} was committed, but the retention that runs after it failed")
+
+    def _commit_keyframe_cache(self, step: int) -> None:
+        """Fill the keyframe cache from committed keyframe ``step``'s chunks (if it was filling), on the vault's
+        threads. This runs after the save's handle reports the commit, so it adds nothing to the wait for it, and
+        before the next save may stage (that waits for this whole task). A failure costs later deltas their
+        cache, never this save."""
+        if self._keyframe_cache is None:
+            return
+        try:
+            self._keyframe_cache.commit(step, self.vault.pool)
+        except Exception as exc:  # noqa: BLE001 - the save is committed; deltas read the keyframe from the store
+            log.warning("could not keep keyframe %d in the keyframe cache (%s: %s); its deltas will read it back",
+                        step, type(exc).__name__, exc)
+
+    def raise_pending(self) -> None:
+        """Raise (once) the error of a background save nobody has been told about."""
+        with self._lock:
+            error, handle, self._error, self._error_handle = self._error, self._error_handle, None, None
+        if error is not None and not (handle is not None and handle.reported):  # wait() already raised it
+            raise error
+
+    def _wait_inflight(self) -> None:
+        """Wait for the whole background task (commit and the after-commit hook)."""
+        task = self._task
+        if task is not None:
+            task.result()  # _complete never raises; its errors are kept in self._error
+            self._task = None
+        self._inflight = None
+
+    def wait(self) -> None:
+        """Wait for the save in flight; raise its error (or an earlier unreported one)."""
+        self._wait_inflight()
+        self.raise_pending()
+
+    def _pool(self) -> ThreadPoolExecutor:
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix="ckptvault-save")
+        return self._executor
+
+    def close(self) -> None:
+        """Flush: wait for the save in flight, stop the background thread, raise any unreported error."""
+        try:
+            self.wait()
+        finally:
+            if self._executor is not None:
+                self._executor.shutdown(wait=True)
+                self._executor = None
+            _LIVE.discard(self)
+
+
+def _typed(exc: BaseException, what: str) -> BaseException:
+    """``exc`` if it is one of ckptvault's errors (or not an Exception: KeyboardInterrupt, SystemExit), else a
+    :class:`SaveError` "``what``: Type: message" with ``exc`` as its cause: an unexpected failure (a store's own
+    exception, a codec bug, MemoryError) still reaches the caller as a typed error."""
+    if isinstance(exc, VaultError) or not isinstance(exc, Exception):
+        return exc
+    wrapped = SaveError(f"{what}: {type(exc).__name__}: {exc}")
+    wrapped.__cause__ = exc
+    return wrapped
+
+
+_LIVE: weakref.WeakSet[Saver] = weakref.WeakSet()
+
+
+def _flush_at_exit() -> None:
+    """At interpreter exit, finish saves in flight; report failures in the log."""
+    for saver in list(_LIVE):
+        try:
+            saver.close()
+        except BaseException as exc:  # noqa: BLE001 - nobody is left to raise to
+            log.error("a checkpoint save failed before exit: %s", exc)
+
+
+def _register_exit_flush() -> None:
+    """Flush before concurrent.futures stops accepting work at exit.
+
+    ``atexit`` handlers run too late: ``threading._shutdown`` first runs the
+    hooks of ``threading._register_atexit``, where concurrent.futures marks
+    every executor shut down, so a save still in flight could no longer submit
+    its chunk writes. Hooks of that list run last-registered first, and this
+    module imports concurrent.futures (registering its hook) before this runs.
+    """
+    register = getattr(threading, "_register_atexit", None)
+    if register is None:  # not CPython >= 3.9: the best left is atexit
+        atexit.register(_flush_at_exit)
+    else:
+        register(_flush_at_exit)
+
+
+def _forget_parent_saves() -> None:
+    """In a forked child (e.g. a DataLoader worker): the parent's saves are not ours to flush.
+
+    Their background threads did not fork, so waiting for them at the child's
+    exit (multiprocessing children run the threading exit hooks) would hang.
+    """
+    _LIVE.clear()
+
+
+_register_exit_flush()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_parent_saves)

@@ -1,0 +1,96 @@
+"""Step 1 of a save: capture the state as a skeleton plus host byte views.
+
+This is the only part of a save that must see the live state. After
+:func:`take_snapshot` returns, every later step reads only the snapshot.
+Without a staging buffer the views alias the caller's CPU tensors (the caller
+must not modify them until the save completes); with one, the bytes are
+copied into it, after which training may modify the state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .._arrays import host_contiguous, ndarray_bytes, tensor_bytes, torch_dtype_name
+from .._tree import Leaf, Node, flatten
+from ..rules import CodecRules
+from .staging import StagingBuffer, aligned_offsets
+
+
+@dataclass
+class ArrayRecord:
+    """What the manifest says about one array leaf (before chunking)."""
+
+    path: str
+    kind: str  # torch | numpy | pickle
+    dtype: str
+    shape: list[int]
+    nbytes: int
+    itemsize: int
+    codec: str
+    requires_grad: bool = False
+    device: str = "cpu"
+    lossy: dict[str, Any] | None = None  # set by lossy_stage: codec, stored dtype/shape, error, parts
+
+    @property
+    def logical_nbytes(self) -> int:
+        """Bytes of the array as the user holds it (before any lossy encoding)."""
+        return self.lossy.get("original_nbytes", self.nbytes) if self.lossy else self.nbytes
+
+
+@dataclass
+class Snapshot:
+    tree: Node
+    records: list[ArrayRecord]
+    views: list[memoryview]
+    allow_pickle: bool
+    staged: bool = False  # True: views are private copies, the live state may change
+
+    @property
+    def logical_bytes(self) -> int:
+        return sum(r.logical_nbytes for r in self.records if r.kind != "part")
+
+
+def take_snapshot(state: Any, rules: CodecRules, allow_pickle: bool = False,
+                  staging: StagingBuffer | None = None, staging_limit: int | None = None) -> Snapshot:
+    """Flatten ``state`` and capture host bytes of every array leaf.
+
+    Without ``staging`` the views alias the caller's CPU tensors (no copy).
+    With it, every leaf is copied into the staging buffer and the snapshot is
+    ``staged`` -- unless that would need more than ``staging_limit`` bytes, in
+    which case it falls back to aliasing views (the caller must then finish
+    the save before the state changes).
+    """
+    tree, leaves = flatten(state, allow_pickle)
+    records = [_record(leaf, rules) for leaf in leaves]
+    needed = aligned_offsets([r.nbytes for r in records])[1]
+    if staging is None or (staging_limit is not None and needed > staging_limit):
+        return Snapshot(tree, records, [_live_view(leaf) for leaf in leaves], allow_pickle, staged=False)
+    views = staging.copy_in([(leaf.kind, leaf.value) for leaf in leaves], [r.nbytes for r in records])
+    return Snapshot(tree, records, views, allow_pickle, staged=True)
+
+
+def _nbytes(leaf: Leaf) -> int:
+    value = leaf.value
+    return value.numel() * value.dtype.itemsize if leaf.kind == "torch" else value.nbytes
+
+
+def _record(leaf: Leaf, rules: CodecRules) -> ArrayRecord:
+    value = leaf.value
+    if leaf.kind == "torch":
+        grad = isinstance(value, torch.nn.Parameter) and value.requires_grad
+        return ArrayRecord(leaf.path, "torch", torch_dtype_name(value.dtype), list(value.shape), _nbytes(leaf),
+                           value.dtype.itemsize, rules.codec_for(leaf.path, torch_dtype_name(value.dtype)), grad,
+                           str(value.device))
+    codec = rules.codec_for(leaf.path, value.dtype.str) if leaf.kind == "numpy" else "zstd"
+    return ArrayRecord(leaf.path, leaf.kind, value.dtype.str, list(value.shape), value.nbytes,
+                       value.dtype.itemsize, codec)
+
+
+def _live_view(leaf: Leaf) -> memoryview:
+    if leaf.kind == "torch":
+        return tensor_bytes(host_contiguous(leaf.value))
+    return ndarray_bytes(leaf.value)
