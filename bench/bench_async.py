@@ -1,4 +1,4 @@
-"""The issue-4 benchmark: what an asynchronous save costs the training loop.
+"""Asynchronous-saving benchmark (docs/benchmarks/async.md): what an asynchronous save costs the training loop.
 
     .venv/bin/python bench/bench_async.py --size full --runs 3
 

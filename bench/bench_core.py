@@ -1,4 +1,4 @@
-"""The issue-2 benchmark: ckptvault's save and restore against torch.save, safetensors and DCP.
+"""Core benchmark (docs/benchmarks/core.md): ckptvault's save and restore against torch.save, safetensors and DCP.
 
     .venv/bin/python bench/bench_core.py --size full --runs 3
 

@@ -1,4 +1,4 @@
-"""Retention and garbage-collection benchmark (issue 7).
+"""Retention and garbage-collection benchmark (docs/benchmarks/retention.md).
 
 1. GC plan time on a vault of ``--checkpoints`` (default 1,000) checkpoints of
    a small training state (an MLP + AdamW trained one step per checkpoint, a

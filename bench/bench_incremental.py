@@ -1,6 +1,6 @@
-"""The issue-3 benchmark: incremental checkpoints (dedup + XOR deltas) on four training workloads.
+"""Incremental benchmark (docs/benchmarks/incremental.md): checkpoints by dedup + XOR deltas on four training workloads.
 
-    .venv/bin/python bench/bench_incremental.py --size full --runs 3        # the recorded numbers
+    .venv/bin/python bench/bench_incremental.py --size full --runs 3        # all four workloads, full size
     .venv/bin/python bench/bench_incremental.py --size tiny --runs 1 --warmup 2 --workloads W1,W4   # smoke
 
 For each workload (``workloads_incremental.py``) the state is taken after ``--warmup`` training steps (the
@@ -35,7 +35,7 @@ from workloads import OUT_DIR, SIZES, assert_same_tensors, state_nbytes, tensor_
 
 log = logging.getLogger("bench_incremental")
 
-# (workload, gap) -> the issue's stored-bytes target as a fraction of torch.save; W3/W4 targets depend on the state
+# (workload, gap) -> the stored-bytes target as a fraction of torch.save; W3/W4 targets depend on the state
 FIXED_TARGETS = {("W1", 1): 0.72, ("W1", 10): 0.80, ("W2", 1): 0.36, ("W2", 10): 0.42}
 RESTORE_TARGET = 1.5
 
@@ -57,7 +57,7 @@ def load_states(name: str, size: str, warmup: int) -> tuple[wi.States, dict[str,
 
 
 def target_for(name: str, gap: int, facts: dict[str, Any], torch_bytes: int) -> tuple[float, str]:
-    """(the issue's limit on delta bytes / torch.save bytes, how it was derived)."""
+    """(the target's limit on delta bytes / torch.save bytes, how it was derived)."""
     if (name, gap) in FIXED_TARGETS:
         return FIXED_TARGETS[(name, gap)], "fixed"
     if name == "W3":

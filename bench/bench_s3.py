@@ -1,6 +1,6 @@
-"""The issue-6 benchmark: ckptvault on S3 (a real Ceph RGW on loopback) against boto3 + torch.save.
+"""Object-storage benchmark (docs/benchmarks/object-storage.md): ckptvault on S3 (a real Ceph RGW) against boto3 + torch.save.
 
-    .venv/bin/python bench/bench_s3.py --size full --runs 3     # the recorded numbers (W1, ~1.03 GB of state)
+    .venv/bin/python bench/bench_s3.py --size full --runs 5     # the documented run (W1, ~1.03 GB of state)
     .venv/bin/python bench/bench_s3.py --size tiny --runs 1     # smoke check, seconds
 
 States: W1 of ``workloads_incremental.py`` (the ~85M GPT + AdamW) at its keyframe and one step later. Per run:

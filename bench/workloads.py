@@ -1,6 +1,6 @@
 """Benchmark workloads: training states built the same way every time.
 
-W1 (the issue-2 workload): the ~85M-parameter GPT of ``ckptvault.demo.model``
+W1 (the workload of docs/benchmarks/core.md): the ~85M-parameter GPT of ``ckptvault.demo.model``
 (``GPTConfig.gpt85m()``), fp32, AdamW at lr 3e-4, trained ``W1_STEPS`` steps on
 the standard library's own sources. The state is
 ``{"model": model.state_dict(), "optimizer": opt.state_dict(), "step": n}``:

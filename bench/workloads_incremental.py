@@ -1,4 +1,4 @@
-"""Training runs for the incremental-checkpoint benchmark (issue 3): W1-W4, each sampled at three points.
+"""Training runs for the incremental-checkpoint benchmark (docs/benchmarks/incremental.md): W1-W4, each sampled at three points.
 
 Every workload trains ``WARMUP`` steps, then gives its state at that point (the keyframe), one step later
 and ten steps later (:data:`GAPS`), as deep copies: ``{0: state, 1: state, 10: state}``. All data is made
