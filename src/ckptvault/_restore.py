@@ -189,6 +189,16 @@ def restore_into(vault: Vault, manifest: Manifest, into: Any, strict: bool,
                  progress: Progress | None = None) -> Any:
     """Copy saved tensors into the tensors/arrays of ``into`` in place; returns ``into``.
 
+    The target decides what is read, as in torch.distributed.checkpoint: only
+    the tensors ``into`` names are read, and only their chunks fetched (a
+    packed chunk is fetched whole, small tensors it also holds included). Saved
+    entries it does not name (another subtree, or a sibling inside a subtree it
+    names) are neither read nor an error. ``into`` mirrors the saved tree from
+    its root, or one saved subtree (:func:`_mount_prefix`). A target tensor the
+    checkpoint lacks is a :class:`KeyMismatchError` when ``strict``; otherwise
+    it is skipped and left unchanged. A dtype or shape mismatch is always an
+    error; leaves of ``into`` that are not tensors or arrays are left alone.
+
     Contiguous CPU targets are read into directly. Any other target (on a GPU,
     strided, ...) is read into a host temporary, made when its first chunk is
     read and copied into the target as soon as its last chunk is in, while
@@ -198,7 +208,7 @@ def restore_into(vault: Vault, manifest: Manifest, into: Any, strict: bool,
     """
     targets = dict(_array_leaves(into))
     saved = _saved_array_paths(manifest)
-    prefix = _mount_prefix(list(targets), saved)
+    prefix = _mount_prefix(list(targets), saved, strict, manifest.step)
     dests: dict[Dest, memoryview | Callable[[], memoryview]] = {}
     temps = ThroughTemps()
     lossy_targets: dict[int, Any] = {}
@@ -206,9 +216,7 @@ def restore_into(vault: Vault, manifest: Manifest, into: Any, strict: bool,
     copies: list[tuple[Any, Any]] = []  # made after every read, in order: tied tensors' other key paths
     for path, target in targets.items():
         index = saved.get(join_path(prefix, path) if prefix else path)
-        if index is None:
-            if strict:
-                raise KeyMismatchError(f"into= holds {path!r}, which the checkpoint does not (pass strict=False to skip)")
+        if index is None:  # only when not strict: _mount_prefix raised otherwise
             continue
         target = target.detach() if isinstance(target, torch.Tensor) else target
         record = manifest.tensors[index]
@@ -224,8 +232,6 @@ def restore_into(vault: Vault, manifest: Manifest, into: Any, strict: bool,
         else:
             dests[index] = temps.add(index, target, record)
         firsts[index] = target
-    if strict:
-        _check_no_extra(saved, targets, prefix)
     lossy = LossyReads(manifest.tensors, lossy_targets)
     dests.update(lossy.dests())
     read_into(vault, manifest, dests, progress, temps.copy_in)
@@ -243,10 +249,9 @@ class ThroughTemps:
     returns the function that makes it, for :func:`read_into`), copied into the
     target once its last chunk is in (:meth:`copy_in`), and then reused for a
     later target of the same kind, dtype and shape. Fresh memory costs a page
-    fault per 4 KiB when first written (0.3-0.7 s per GB on the VMs measured:
-    BENCHMARKS.md, "A GPU-resident state on an H200"), and the layers of a
-    model repeat their shapes, so most temporaries are written into pages
-    already mapped. Thread-safe.
+    fault per 4 KiB when first written (figures: docs/benchmarks/gpu.md), and
+    the layers of a model repeat their shapes, so most temporaries are written
+    into pages already mapped. Thread-safe.
     """
 
     def __init__(self) -> None:
@@ -325,29 +330,63 @@ def _dtype_name(value: Any) -> str:
     return str(value.dtype).removeprefix("torch.") if isinstance(value, torch.Tensor) else value.dtype.str
 
 
-def _mount_prefix(paths: list[str], saved: dict[str, int]) -> str:
-    """"" if ``into`` mirrors the saved tree; else the one subtree path holding all its tensors."""
+def _mount_prefix(paths: list[str], saved: dict[str, int], strict: bool, step: int) -> str:
+    """Where ``into`` sits in the saved tree: "" (the root) or the key path of one saved subtree.
+
+    The root if every target tensor is there, else the one subtree holding
+    them all (``into=model.state_dict()`` sits under ``model``). When not
+    ``strict``, target tensors the checkpoint lacks may be left out: the place
+    holding the most of them is taken. Raises :class:`KeyMismatchError` when
+    no place holds them all (``strict``) or any (not ``strict``), or when
+    several places fit equally.
+    """
     if not paths or all(p in saved for p in paths):
         return ""
-    first = paths[0]
-    candidates = {s[: -len(first) - 1] for s in saved if s.endswith("." + first)}
-    fits = sorted(c for c in candidates if all(f"{c}.{p}" in saved for p in paths))
+    found = _found_under(paths, saved)
+    fits = sorted(c for c, n in found.items() if n == len(paths))
+    if not fits and not strict and found:
+        most = max(found.values())
+        fits = sorted(c for c, n in found.items() if n == most)
     if len(fits) == 1:
         return fits[0]
-    if not fits:
-        missing = [p for p in paths if p not in saved][:5]
-        raise KeyMismatchError(f"into= tensors {missing} are not in the checkpoint, at its root or under any one key")
-    raise KeyMismatchError(f"into= matches several subtrees {fits}; restore with keys= or pass the full tree")
-
-
-def _check_no_extra(saved: dict[str, int], targets: dict[str, Any], prefix: str) -> None:
-    scope = prefix + "." if prefix else ""
-    extra = [p for p in saved if p.startswith(scope) and p[len(scope):] not in targets]
-    if extra:
+    if fits:
+        shown = [c or "<root>" for c in fits[:5]]
         raise KeyMismatchError(
-            f"the checkpoint holds {len(extra)} tensors under {prefix or 'the root'!r} that into= lacks, "
-            f"such as {extra[:3]}; pass strict=False to restore only the ones present"
+            f"into= matches several places in the checkpoint of step {step}: {shown}; "
+            "pass a target that mirrors the saved tree from its root (e.g. {'model': model.state_dict()})"
         )
+    if not found:
+        tops = sorted({s.split(".", 1)[0] for s in saved})
+        missing = [p for p in paths if p not in saved][:5]
+        raise KeyMismatchError(
+            f"into= tensors {missing} are not in the checkpoint of step {step}, at its root or under any one key "
+            f"(its top-level keys are {tops[:20]}); check the target's key paths, or restore without into= to see the saved tree"
+        )
+    best = max(found.values())
+    places = sorted(c for c, n in found.items() if n == best)
+    place = places[0]
+    missing = [p for p in paths if (join_path(place, p) if place else p) not in saved]
+    where = f"under {place!r}" if place else "at its root"
+    raise KeyMismatchError(
+        f"into= holds {len(missing)} tensors the checkpoint of step {step} does not ({where}): {missing[:5]}; "
+        "remove them from into=, or pass strict=False to skip them (they are left unchanged)"
+    )
+
+
+def _found_under(paths: list[str], saved: dict[str, int]) -> dict[str, int]:
+    """Saved subtree path ("" = the root) -> how many of ``paths`` are saved under it; places holding none are left out."""
+    wanted = set(paths)
+    found: dict[str, int] = defaultdict(int)
+    at_root = sum(p in saved for p in wanted)
+    if at_root:
+        found[""] = at_root
+    for s in saved:
+        dot = s.find(".")
+        while dot != -1:
+            if s[dot + 1 :] in wanted:
+                found[s[:dot]] += 1
+            dot = s.find(".", dot + 1)
+    return dict(found)
 
 
 def _array_leaves(value: Any, path: str = "") -> Iterable[tuple[str, Any]]:
