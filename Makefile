@@ -2,7 +2,7 @@
 #
 #   make demo    train a small GPT with checkpoints, restore in a fresh process, compare with torch.save
 #   make test    run the test suite (slow tests excluded; `make test PYTEST_ARGS='-m slow'` runs them)
-#   make lint    ruff
+#   make lint    ruff, then mypy (its settings, and the files it checks: [tool.mypy] in pyproject.toml)
 #   make bench   the core benchmark (about 1 GB of state; several minutes)
 #   make clean   remove the demo vault, caches and build outputs (`make distclean` also removes .venv)
 #
@@ -44,12 +44,13 @@ test: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests bench
+	$(BIN)/mypy
 
 bench: $(STAMP)
 	$(BIN)/python bench/bench_core.py $(BENCH_ARGS)
 
 clean:
-	rm -rf demo-vault .ckptvault-demo-* bench/out build dist .pytest_cache .ruff_cache .hypothesis
+	rm -rf demo-vault .ckptvault-demo-* bench/out build dist .pytest_cache .ruff_cache .mypy_cache .hypothesis
 	find . -path ./$(VENV) -prune -o -name __pycache__ -type d -print0 | xargs -0 rm -rf
 
 distclean: clean

@@ -1,4 +1,4 @@
-"""Asynchronous saving (issue 4): save() returns once the state is staged in host memory.
+"""Asynchronous saving: save() returns once the state is staged in host memory.
 
 What must hold:
 

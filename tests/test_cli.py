@@ -1,7 +1,7 @@
 """The ``ckptvault`` command line, run through its real entry points against vaults the library wrote.
 
 Every test starts a fresh interpreter (``python -m ckptvault`` or the installed
-``ckptvault`` script), so each costs an import of torch (about 2 s here).
+``ckptvault`` script), so each costs an import of torch (seconds).
 """
 
 from __future__ import annotations

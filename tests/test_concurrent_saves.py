@@ -75,6 +75,7 @@ def _run_workers(url: str, tmp_path: Path, same_step: bool) -> list[dict[str, An
 
 
 def test_two_processes_save_different_steps(tmp_path: Path) -> None:
+    """Both processes create the chunks they share create-if-absent: every step of each commits and restores (DESIGN C1)."""
     url = str(tmp_path / "vault")
     results = _run_workers(url, tmp_path, same_step=False)
     expected_steps = sorted(step_of(r, w) for r in range(ROUNDS) for w in (1, 2))
@@ -93,6 +94,7 @@ def test_two_processes_save_different_steps(tmp_path: Path) -> None:
 
 
 def test_two_processes_save_the_same_step(tmp_path: Path) -> None:
+    """A manifest is created create-if-absent: exactly one process commits each step, the other is told it exists (DESIGN M2)."""
     url = str(tmp_path / "vault")
     results = _run_workers(url, tmp_path, same_step=True)
     for round_ in range(ROUNDS):

@@ -1,4 +1,4 @@
-"""``ckptvault cp`` and ckptvault.copy: copies send only missing chunks, keep deltas, commit each step atomically;
+"""``ckptvault cp`` and ckptvault._maintenance.copy: copies send only missing chunks, keep deltas, commit each step atomically;
 and the other CLI commands on an s3:// URL (real Ceph RGW, tests/conftest_s3.py)."""
 
 from __future__ import annotations

@@ -86,6 +86,7 @@ def run_async_campaign(tmp_path: Path, trials: int) -> AsyncCampaign:
 
 
 def test_kill_nine_during_background_writes(tmp_path: Path) -> None:
+    """SIGKILL during background writes: exactly the committed manifests are listed, each complete (DESIGN M1, M2)."""
     campaign = run_async_campaign(tmp_path, trials=24)
     assert campaign.expected, "no trial committed anything"
     assert campaign.in_background >= 12, (

@@ -1,7 +1,7 @@
 """CUDA states: the asynchronous snapshot, restores into GPU tensors, deltas and lossy codecs.
 
 These run only where torch sees a CUDA device (skipped elsewhere, CI included); they passed on an H200
-(BENCHMARKS.md, "A GPU-resident state on an H200"). What must hold on a GPU:
+(docs/benchmarks/gpu.md). What must hold on a GPU:
 
 * ``save`` returns only once the device-to-host copies into the pinned staging buffer have landed: training
   that changes every tensor on the GPU right after it cannot reach the checkpoint;

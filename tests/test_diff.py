@@ -1,4 +1,4 @@
-"""``ckptvault diff`` and ``ckptvault.diff.diff_steps``: per-tensor comparison of two checkpoints.
+"""``ckptvault diff`` and ``ckptvault._reports.diff.diff_steps``: per-tensor comparison of two checkpoints.
 
 Library tests check the numbers on hand-made states whose differences are known exactly; CLI tests run
 the real entry point (``python -m ckptvault``) in a fresh interpreter against vaults a real training run wrote.

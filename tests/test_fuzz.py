@@ -2,11 +2,11 @@
 
 What is fuzzed (seeds: the pristine corpus vault ``tests/hostile/base``, see tests/hostile/make_corpus.py):
 
-(a) chunk objects: ``format.chunk_object.parse_object`` + ``decode_payload`` on arbitrary bytes, on byte
+(a) chunk objects: ``_format.chunk_object.parse_object`` + ``decode_payload`` on arbitrary bytes, on byte
     mutations of real chunk objects (flip, insert, delete, overwrite; coded with byte planes + zstd, lz4,
     shuffle, plain zstd, raw, and a whole-chunk XOR delta), and on edits of their JSON headers (any value
     replaced by another JSON value, keys deleted or added; the prefix keeps the right header length);
-(b) manifests: ``format.manifest.decode_manifest`` on arbitrary bytes, on arbitrary bodies wrapped with a
+(b) manifests: ``_format.manifest.decode_manifest`` on arbitrary bytes, on arbitrary bodies wrapped with a
     valid checksum, and on structured mutations of the real manifest body (any JSON value at any path
     replaced by another: ints huge and negative, floats non-finite, strings with NUL or Unicode digits,
     lists, dicts, deep nesting, other values of the same manifest; keys and list items deleted or added),

@@ -89,6 +89,7 @@ def vault(tmp_path: Path) -> Path:
 
 # -- gc --------------------------------------------------------------------------------------------
 def test_gc_removes_old_unreferenced_chunks_and_keeps_the_rest(vault: Path) -> None:
+    """Only chunks no manifest names and older than the grace period are deleted; every checkpoint still restores (DESIGN G2)."""
     garbage = orphans(vault)
     assert len(garbage) >= 2  # "w" of step 1
     live_before = {p.name for p in chunk_files(vault)} - garbage
@@ -108,6 +109,7 @@ def test_gc_removes_old_unreferenced_chunks_and_keeps_the_rest(vault: Path) -> N
 
 
 def test_gc_keeps_unreferenced_chunks_younger_than_the_grace_period(vault: Path) -> None:
+    """An unreferenced chunk is garbage only once its mtime is at least grace seconds old (DESIGN G2)."""
     garbage = orphans(vault)
     with CheckpointManager(vault) as mgr:
         plan, result = mgr.gc(HOUR)
@@ -129,7 +131,8 @@ def test_dry_run_deletes_nothing(vault: Path) -> None:
 
 
 def test_delta_bases_stay_while_a_checkpoint_needs_them(tmp_path: Path) -> None:
-    """Real incremental saves: step 1's changed chunks are XOR deltas against step 0 (the keyframe)."""
+    """Real incremental saves: step 1's changed chunks are XOR deltas against step 0 (the keyframe).
+    Mark follows every delta's base (DESIGN G1)."""
     root = tmp_path / "vault"
     base_state = state_for(0, 200_000)
     nudged = {"w": base_state["w"] + 1e-3, "frozen": base_state["frozen"]}
@@ -150,7 +153,7 @@ def test_delta_bases_stay_while_a_checkpoint_needs_them(tmp_path: Path) -> None:
 
 
 def test_bases_named_only_in_chunk_headers_are_followed(vault: Path) -> None:
-    """A manifest entry names base B; B's own header names C, which no manifest lists: both stay."""
+    """A manifest entry names base B; B's own header names C, which no manifest lists: both stay. (DESIGN G1)"""
     c = put_stray_chunk(vault, b"C" * 1000)
     b = put_stray_chunk(vault, b"B" * 1000, base=c)
     unrelated = put_stray_chunk(vault, b"U" * 1000)
@@ -168,6 +171,7 @@ def test_bases_named_only_in_chunk_headers_are_followed(vault: Path) -> None:
 
 
 def test_corrupt_manifest_makes_gc_and_prune_refuse(vault: Path) -> None:
+    """An unreadable manifest makes gc and prune refuse, and they delete nothing (DESIGN G1)."""
     path = vault / manifest_key(2)
     data = bytearray(path.read_bytes())
     data[-10] ^= 0x01
@@ -186,7 +190,8 @@ def test_corrupt_manifest_makes_gc_and_prune_refuse(vault: Path) -> None:
 
 
 def test_execute_rechecks_manifests_committed_after_the_plan(vault: Path) -> None:
-    """A manifest that appears between plan and execute makes its chunks live again."""
+    """A manifest that appears between plan and execute makes its chunks live again.
+    A candidate touched since the plan is skipped as fresh (DESIGN G3)."""
     age(vault, 2 * HOUR)
     with CheckpointManager(vault) as mgr:
         plan = plan_gc(mgr.vault, HOUR)
@@ -205,6 +210,7 @@ def test_execute_rechecks_manifests_committed_after_the_plan(vault: Path) -> Non
 
 
 def test_gc_sweeps_old_temp_files_markers_and_pins_of_deleted_steps(vault: Path) -> None:
+    """The age rule also sweeps temp files, gc markers and pins of uncommitted steps named as ckptvault names them (DESIGN G2)."""
     dead, marker = f"{'d' * 32}.part", f"clock-{'0123' * 8}"  # named exactly as the store and gc name them
     (vault / "tmp").mkdir(exist_ok=True)
     (vault / "tmp" / dead).write_bytes(b"x" * 100)

@@ -37,6 +37,7 @@ def _parse(log: Path) -> list[list[str]]:
 # -- saver + collector ------------------------------------------------------------------------------
 @pytest.mark.parametrize("seconds", [SECONDS, pytest.param(120, marks=pytest.mark.slow)])
 def test_prune_and_gc_in_a_loop_next_to_a_saving_process(tmp_path: Path, seconds: int) -> None:
+    """Prune and gc in a loop next to a saving process: every committed checkpoint kept restores bit-exactly (DESIGN G1, G5)."""
     vault, saver_log, collector_log = tmp_path / "vault", tmp_path / "saver.log", tmp_path / "collector.log"
     saver = subprocess.Popen([sys.executable, str(HELPERS / "gc_saver.py"), str(vault), str(saver_log), str(seconds)])
     collector = subprocess.Popen([sys.executable, str(HELPERS / "gc_collector.py"), str(vault), str(collector_log),
@@ -129,6 +130,7 @@ def garbage_vault(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[
 @pytest.mark.parametrize("trials", [12, pytest.param(150, marks=pytest.mark.slow)])
 def test_sigkill_of_gc_at_random_moments_leaves_a_consistent_vault(
         garbage_vault: tuple[Path, dict[int, dict[str, torch.Tensor]], set[str]], tmp_path: Path, trials: int) -> None:
+    """SIGKILL of gc at stratified random moments leaves every checkpoint intact; the next gc finishes the job (DESIGN G4)."""
     template, states, garbage = garbage_vault
     server = GCServer()
     rng = random.Random(2024 + trials)

@@ -385,6 +385,7 @@ def plant_junk(vault: Path) -> dict[str, bytes]:
 
 
 def test_names_that_only_look_like_keys_are_ignored_and_never_deleted(vault: Path) -> None:
+    """Objects whose names only look like keys are not listed, and gc, prune and rm never delete them (DESIGN G2)."""
     junk = plant_junk(vault)
     with CheckpointManager(vault) as mgr:
         mgr.delete(1)

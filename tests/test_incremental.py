@@ -1,4 +1,4 @@
-"""Incremental checkpoints (issue 3): dedup of unchanged chunks, XOR deltas against a keyframe, keyframe cadence.
+"""Incremental checkpoints: dedup of unchanged chunks, XOR deltas against a keyframe, keyframe cadence.
 
 Every test trains a real torch model with a real optimizer and saves into a real local vault with the
 default asynchronous saves (waited for before reading). Chunks are 64 KiB so that small models span
@@ -243,6 +243,7 @@ def test_sparse_embedding_updates_cost_about_the_touched_rows(tmp_path: Path) ->
 
 
 def test_deltas_are_smaller_bit_exact_and_one_level_deep(tmp_path: Path) -> None:
+    """Every delta's base is a full keyframe chunk, so restoring a chunk reads at most two objects (DESIGN C2)."""
     model = mlp()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
     states = save_run(tmp_path / "v", model, opt, 4, keyframe_every=10)

@@ -29,7 +29,7 @@ def _module(path: Path) -> str:
 
 
 def _imports(path: Path, top_level_only: bool) -> set[str]:
-    """The package modules ``path`` imports (``format.schema``, ``errors``...; ``""`` for the package's own
+    """The package modules ``path`` imports (``_format.schema``, ``errors``...; ``""`` for the package's own
     ``__init__``), relative to the package."""
     module = _module(path)
     parts = module.split(".") if module else []

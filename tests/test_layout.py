@@ -1,4 +1,4 @@
-"""Unit tests of chunk planning (``ckptvault.layout.plan_chunks``), a pure function.
+"""Unit tests of chunk planning (``ckptvault._save.chunking.plan_chunks``), a pure function.
 
 Properties: the pieces of every leaf tile it exactly once, in order; every chunk's sources and the
 pieces pointing into it agree; no chunk exceeds ``chunk_size``; every cut falls on an element boundary;

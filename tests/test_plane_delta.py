@@ -206,6 +206,7 @@ def test_damage_to_a_base_plane_the_delta_does_not_use_leaves_it_restorable(tmp_
 
 
 def test_damage_to_a_base_plane_the_delta_xors_is_reported_against_the_base(tmp_path: Path) -> None:
+    """A damaged base plane fails the delta's own hash check, and the error names the base (DESIGN C3)."""
     two_steps(tmp_path / "v")
     cid, base = the_delta(tmp_path / "v")
     damage(tmp_path / "v", base, plane=3)

@@ -1,4 +1,4 @@
-"""Codec presets (issue 5): named rule sets a user picks in one word, and ``ckptvault presets`` that lists them.
+"""Codec presets: named rule sets a user picks in one word, and ``ckptvault presets`` that lists them.
 
 Each preset is applied to a real model + AdamW state saved twice (a keyframe, then a checkpoint against it),
 and the codec every tensor got is checked against what the preset promises.
@@ -55,7 +55,7 @@ def codecs(mgr: CheckpointManager, step: int) -> dict[str, str]:
     return {t.path: t.codec.replace(":256", "") for t in mgr.info(step).tensors}
 
 
-def test_the_issue_presets_exist_and_parse() -> None:
+def test_the_documented_presets_exist_and_parse() -> None:
     assert list(PRESETS) == NAMES
     for name in NAMES:
         assert PRESETS[name]["summary"], name

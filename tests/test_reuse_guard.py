@@ -73,6 +73,7 @@ def saved(tmp_path: Path) -> Iterator[Saved]:
 
 
 def test_incremental_saves_touch_nothing_while_the_manifests_they_read_stay(saved: Saved) -> None:
+    """Chunks named by the manifests a save read need no touch while those manifests stay as they were (DESIGN G5)."""
     s, store, mgr = saved
     mgr.save(2, s[2])
     assert store.touched == [], "reused chunks and delta bases are protected by the manifests that name them"
@@ -83,6 +84,7 @@ def test_incremental_saves_touch_nothing_while_the_manifests_they_read_stay(save
 
 
 def test_without_a_manifest_to_rely_on_reused_chunks_are_touched(tmp_path: Path) -> None:
+    """With no manifest to rely on, every reused chunk is touched when it is reused (DESIGN G5)."""
     s = states()
     store = TouchLog(tmp_path / "v")
     with CheckpointManager(store, chunk_size=CHUNK, async_save=False, incremental=False) as mgr:
@@ -109,6 +111,7 @@ def _prune_at_commit(store: TouchLog, watched: str, also: Callable[[], None] = l
 
 
 def test_a_manifest_pruned_during_the_save_makes_it_touch_what_it_relied_on(saved: Saved) -> None:
+    """A relied-on manifest pruned during the save: its reused chunks and the bases used are touched at commit (DESIGN G5)."""
     s, store, mgr = saved
     named = chunk_ids(mgr, 0) | chunk_ids(mgr, 1)
     _prune_at_commit(store, manifest_key(1))
@@ -121,6 +124,7 @@ def test_a_manifest_pruned_during_the_save_makes_it_touch_what_it_relied_on(save
 
 
 def test_a_relied_on_chunk_collected_before_commit_fails_the_save_cleanly(saved: Saved) -> None:
+    """A reused chunk gone at commit fails the save with nothing committed, and a retry commits (DESIGN M3, G5)."""
     s, store, mgr = saved
     only_in_1 = chunk_ids(mgr, 1) - chunk_ids(mgr, 0)  # step 2 reuses those of "tuned"
 
@@ -139,7 +143,7 @@ def test_a_relied_on_chunk_collected_before_commit_fails_the_save_cleanly(saved:
 
 @pytest.mark.parametrize("cached", [False, True])
 def test_a_keyframe_chunk_missing_from_a_damaged_vault_is_stored_in_full(tmp_path: Path, cached: bool) -> None:
-    """No touch checks a base any more: the save must still notice a base the store lost (read, or stat when cached)."""
+    """No touch checks a base: the save must still notice a base the store lost (read, or stat when cached)."""
     s = states()
     with CheckpointManager(tmp_path / "v", chunk_size=CHUNK, async_save=False, cache_keyframe=cached) as mgr:
         mgr.save(0, s[0])

@@ -404,7 +404,7 @@ def test_access_denied_fails_at_once_and_names_the_permissions(rgw: Gateway, s3_
 @pytest.mark.parametrize("call", ["get", "get_range", "put"])
 def test_a_failing_request_is_sent_max_attempts_times_not_more(call: str) -> None:
     """botocore retries a request that fails; the store's own retry covers only a body cut off after botocore
-    returned (it used to retry the failed request too: max_attempts squared requests for a read)."""
+    returned (not the failed request as well, which would make max_attempts squared requests for a read)."""
     with FaultProxy(("127.0.0.1", 9), reset=1.0) as proxy:  # every connection reset: nothing is forwarded
         store = S3Store("s3://bucket/p", endpoint_url=proxy.endpoint, aws_access_key_id="a", aws_secret_access_key="b",
                         region_name="us-east-1", check_lifecycle=False, max_attempts=3)
@@ -747,7 +747,7 @@ def test_a_chunk_deleted_before_the_commit_fails_the_save_whether_listed_or_aske
         rgw: Gateway, s3_url: str, vault: str) -> None:
     """A gc (here: another client) deletes one of the save's chunks just before its commit check: the check
     finds it missing, by listing a small vault, by a HEAD in a large one; nothing is committed, and the save
-    succeeds when retried."""
+    succeeds when retried. (DESIGN M3, G5)"""
     torch.manual_seed(5)
     state = {"new": torch.randn(4 * 16384)}
     with CheckpointManager(s3_url, storage_options=rgw.options(), chunk_size=64 << 10, workers=1,
@@ -781,7 +781,7 @@ def test_a_found_chunk_that_gc_collects_before_it_is_protected_is_written_after_
                                                                                       s3_url: str) -> None:
     """Between the 412 that says a chunk is there and the touch that protects it, a concurrent gc may delete it
     (here: deleted when the touch is sent). The save then writes the chunk itself and commits a checkpoint
-    that restores exactly."""
+    that restores exactly. (DESIGN G5)"""
     from ckptvault._save.chunks import PROBE_MISSES
 
     torch.manual_seed(3)  # fixed chunk ids: the commit check's estimate lists this small vault

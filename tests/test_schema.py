@@ -1,4 +1,4 @@
-"""The manifest and vault.json schema (format/schema.py): every field a hostile or damaged file can get wrong.
+"""The manifest and vault.json schema (_format/schema.py): every field a hostile or damaged file can get wrong.
 
 Each case edits a real manifest (or descriptor) and re-wraps it with a valid checksum, as anyone can, then
 checks the error type and that the message names the file and the field. A few cases go through the public
@@ -306,7 +306,7 @@ def test_descriptor_that_is_not_an_object() -> None:
 
 
 def test_a_vault_with_a_bad_chunk_size_refuses_to_save(tmp_path: Path) -> None:
-    """A negative chunk size once made every save commit a manifest without chunks."""
+    """A negative chunk size is refused: it would make every save commit a manifest without chunks."""
     url = str(tmp_path / "v")
     ckptvault.save({"x": torch.ones(4)}, url, step=1)
     path = Path(url) / "vault.json"

@@ -1,5 +1,5 @@
 """The vault's zstd stage: level 1 accelerated with Huffman-coded literals, or searching as a sample says
-(codecs/zstd.py); ordinary frames."""
+(_codecs/zstd.py); ordinary frames."""
 
 from __future__ import annotations
 

@@ -56,7 +56,7 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     if t.numel() == 0:
         return memoryview(b"")
     # as_strided, not reshape: a "contiguous" tensor may have any stride on size-1 dims (x[::2][:1])
-    return memoryview(t.as_strided((t.numel(),), (1,)).view(torch.uint8).numpy())
+    return t.as_strided((t.numel(),), (1,)).view(torch.uint8).numpy().data
 
 
 def ndarray_bytes(a: np.ndarray) -> memoryview:
@@ -66,7 +66,7 @@ def ndarray_bytes(a: np.ndarray) -> memoryview:
     a = np.ascontiguousarray(a)
     if a.size == 0:
         return memoryview(b"")
-    return memoryview(a.reshape(-1).view(np.uint8))
+    return a.reshape(-1).view(np.uint8).data
 
 
 def itemsize_of(kind: str, dtype: str) -> int:

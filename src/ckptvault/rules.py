@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from fnmatch import fnmatchcase
+from typing import TypedDict
 
 from ._codecs import validate_codec_name
 from ._codecs.lossy import parse_codec
@@ -53,7 +54,15 @@ class CodecRules:
                 return codec
         return self.default
 
-PRESETS: dict[str, dict[str, object]] = {
+
+class Preset(TypedDict):
+    """One of :data:`PRESETS`: a one-line summary and its rules (pattern -> codec name)."""
+
+    summary: str
+    rules: dict[str, str]
+
+
+PRESETS: dict[str, Preset] = {
     "lossless": {
         "summary": "every tensor bit-exact (the default)",
         "rules": {},
@@ -86,7 +95,7 @@ PRESETS: dict[str, dict[str, object]] = {
 def preset_rules(name: str) -> dict[str, str]:
     """The rules of preset ``name``; InvalidArgumentError lists the presets for an unknown name."""
     try:
-        return dict(PRESETS[name]["rules"])  # type: ignore[arg-type]
+        return dict(PRESETS[name]["rules"])
     except KeyError:
         raise InvalidArgumentError(f"unknown preset {name!r}; presets are {', '.join(PRESETS)} "
                                    "(see `ckptvault presets`)") from None

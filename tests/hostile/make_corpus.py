@@ -129,7 +129,7 @@ _CHUNK_PREFIX = struct.Struct("<4sBBH")
 
 
 def wrap_manifest(body: bytes) -> bytes:
-    """A manifest file around ``body`` (raw JSON text) with a valid checksum, as format/manifest.py writes it."""
+    """A manifest file around ``body`` (raw JSON text) with a valid checksum, as _format/manifest.py writes it."""
     return b'{"blake3":"' + blake3.blake3(body).hexdigest().encode() + b'","manifest":' + body + b"}"
 
 

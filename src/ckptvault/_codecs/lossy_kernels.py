@@ -16,9 +16,9 @@ that :func:`ckptvault._codecs.lossy.measure` reports, as a :data:`Sums` tuple:
 The bf16/fp16 kernels cast each block of :data:`_BLOCK` values in a fast pass that counts only zeros and
 flushes and notes the block's smallest non-zero and largest magnitude; only a block that may hold an
 overflowing, infinite or NaN value (or magnitudes outside its float32 sums' range) is cast again, counting
-each case (1.4x faster on training states, whose blocks are almost all ordinary; fp16 on Adam's moments,
-whose blocks flush often, 1.7x faster than counting every case there). The int8 kernels likewise count
-overflows and NaNs only in blocks whose magnitudes reach 2^125 (1.3x faster).
+each case: the blocks of training states are almost all ordinary, so most values are handled by the fast pass
+alone. The int8 kernels likewise count overflows and NaNs only in blocks whose magnitudes reach 2^125
+(figures: docs/benchmarks/lossy.md).
 
 Contracts: the stored values are bit for bit what torch stores (``Tensor.to`` for bf16/fp16, which rounds to
 nearest even, NaN included as torch's vectorised cast writes it; ``round(x / scale)`` clamped to ±127 for

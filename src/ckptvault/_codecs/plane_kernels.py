@@ -1,9 +1,8 @@
 """Byte-plane kernels (numba): split 2-, 4- and 8-byte elements into byte planes, and join planes back.
 
-numpy needs one pass per plane plus a cast for each (on one core here: 0.15 s per GiB to split 4-byte
-elements, 0.25 s to join them); these loops read each element once and write each byte once (0.024 and
-0.027 s per GiB). Every save splits each chunk it encodes, and every restore (and every delta save, to
-check its base) joins each chunk it decodes.
+numpy needs one pass per plane plus a cast for each; these loops read each element once and write each byte
+once, several times faster (figures: docs/benchmarks/core.md). Every save splits each chunk it encodes, and
+every restore (and every delta save, to check its base) joins each chunk it decodes.
 
 Contract: ``split(words, planes)`` writes byte k of ``words[i]`` (little-endian) to ``planes[k, i]``;
 ``join(planes, words)`` is its inverse. ``words`` is a 1-D unsigned array of 2, 4 or 8 bytes per element,
@@ -13,12 +12,20 @@ uint8 arrays). The kernels release the GIL, compile on first use and are cached 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TypedDict
 
 import numpy as np
 from numba import njit
 
-_OPTIONS = {"nogil": True, "cache": True, "boundscheck": False}
+
+class _Options(TypedDict):  # typed, so that njit(**_OPTIONS) is checked against njit's keyword arguments
+    nogil: bool
+    cache: bool
+    boundscheck: bool
+
+
+_OPTIONS: _Options = {"nogil": True, "cache": True, "boundscheck": False}
 
 
 @njit(**_OPTIONS)
@@ -70,7 +77,7 @@ def _join8(p0, p1, p2, p3, p4, p5, p6, p7, words):  # type: ignore[no-untyped-de
 
 
 _SPLIT = {2: _split2, 4: _split4, 8: _split8}
-_JOIN = {2: _join2, 4: _join4, 8: _join8}
+_JOIN: dict[int, Callable[..., object]] = {2: _join2, 4: _join4, 8: _join8}  # 2, 4 or 8 planes, then words
 
 
 def split(words: np.ndarray, planes: np.ndarray) -> None:

@@ -21,25 +21,28 @@ from __future__ import annotations
 import struct
 import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
 from .base import BytesStage, Spec, int_setting, stage_from_spec
 
+_Planes = TypeVar("_Planes", bound="BytePlanes")
+
 _kernels: Any = None  # the plane_kernels module once imported, False where numba is missing
 
 
 def _plane_kernels() -> Any:
-    """``plane_kernels``, imported on first use (numba adds 0.3 s to an import), or None without numba:
+    """``plane_kernels``, imported on first use (importing numba is slow), or None without numba:
     the numpy loops below do the same, several times slower."""
     global _kernels
     if _kernels is None:
         try:
             from . import plane_kernels as kernels
         except ImportError:
-            kernels = False
-        _kernels = kernels
+            _kernels = False
+        else:
+            _kernels = kernels
     return _kernels or None
 
 
@@ -53,7 +56,7 @@ def load_kernels_in_background() -> threading.Thread | None:
     imported, or numba is missing.
 
     The first use of the kernels in a process imports numba and loads their compiled code from numba's
-    cache: about a second here, mostly holding the GIL, so without this the first save or restore of a
+    cache, which takes a while and mostly holds the GIL, so without this the first save or restore of a
     process stalls every worker for it. A caller that opens a vault well before its first save (a training
     script) pays it in the background instead. Safe to call any number of times."""
     global _loading
@@ -86,7 +89,8 @@ _UINT = {2: np.uint16, 4: np.uint32, 8: np.uint64}
 #: the element sizes a planes payload holds: its table counts the planes in one byte
 MAX_TYPESIZE = 255
 
-Buffer = bytes | memoryview | np.ndarray
+#: a piece of a payload as :meth:`BytePlanes.pack_parts` returns it, for ``b"".join`` or a store to write
+Buffer = bytes | memoryview
 
 
 @dataclass(frozen=True)
@@ -103,7 +107,7 @@ class PlaneEntry:
 class StoredPlane:
     """One plane as it goes into a payload: bytes plus flags."""
 
-    data: bytes | memoryview | np.ndarray
+    data: bytes | memoryview
     compressed: bool = False
     xor: bool = False
 
@@ -185,7 +189,7 @@ class BytePlanes(BytesStage):
         sizes = [len(memoryview(p.data).cast("B")) | (_COMPRESSED if p.compressed else 0) | (XOR_BASE if p.xor else 0)
                  for p in planes]
         head = struct.pack(f"<B{self.typesize}I", self.typesize, *sizes)
-        return [head, *(p.data for p in planes), tail]
+        return [head, *(p.data for p in planes), tail.data if isinstance(tail, np.ndarray) else tail]
 
     def store_plane(self, plane: memoryview, xor: bool = False, ratio: float | None = None) -> StoredPlane:
         """``plane`` compressed if that pays, else raw (``ratio``: its sample ratio, if known)."""
@@ -211,7 +215,7 @@ class BytePlanes(BytesStage):
                     row[:] = values[piece]
                 else:
                     np.bitwise_xor(values[piece], xor_with[piece], out=row)
-        return len(self.inner.encode(memoryview(sample).cast("B"))) / sample.size
+        return len(self.inner.encode(sample.data.cast("B"))) / sample.size
 
     def compress_if_pays(self, plane: memoryview, ratio: float | None = None) -> bytes | memoryview | None:
         """The plane compressed, or None if compressing it does not pay. ``ratio``: its sample ratio, if known."""
@@ -250,13 +254,13 @@ class BytePlanes(BytesStage):
         planes, entries, tail = self.decode_planes(data, out_size)
         if any(e.xor for e in entries):
             raise ValueError("payload has planes XORed with a delta base, but its stage is not 'xplanes'")
-        return memoryview(assemble(planes, tail, np.empty(out_size, dtype=np.uint8)))
+        return assemble(planes, tail, np.empty(out_size, dtype=np.uint8)).data
 
     def spec(self) -> Spec:
         return {"id": self.id, "typesize": self.typesize, "inner": self.inner.spec()}
 
     @classmethod
-    def from_spec(cls, spec: Spec) -> BytePlanes:
+    def from_spec(cls: type[_Planes], spec: Spec) -> _Planes:  # PlaneDelta.from_spec() returns a PlaneDelta
         if "inner" not in spec:
             raise ValueError(f"stage {cls.id!r} lacks its setting 'inner'")
         return cls(int_setting(spec, "typesize", 1, MAX_TYPESIZE), stage_from_spec(spec["inner"], inner=True))

@@ -31,7 +31,7 @@ class Shuffle(BytesStage):
         out = np.empty_like(arr)
         out[:whole].reshape(self.typesize, -1)[...] = arr[:whole].reshape(-1, self.typesize).T
         out[whole:] = arr[whole:]
-        return memoryview(out)
+        return out.data
 
     def decode(self, data: memoryview, out_size: int) -> bytes | memoryview:
         if len(data) != out_size:  # a shuffle keeps the length: refused before the output is allocated
@@ -43,7 +43,7 @@ class Shuffle(BytesStage):
         out = np.empty_like(arr)
         out[:whole].reshape(-1, self.typesize)[...] = arr[:whole].reshape(self.typesize, -1).T
         out[whole:] = arr[whole:]
-        return memoryview(out)
+        return out.data
 
     def spec(self) -> Spec:
         return {"id": self.id, "typesize": self.typesize}

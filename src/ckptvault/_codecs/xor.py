@@ -20,4 +20,4 @@ def xor(data: bytes | memoryview, base: bytes | memoryview, in_place: bool = Fal
     out = a if in_place and a.flags.writeable else np.empty_like(a)
     np.bitwise_xor(a[:wide].view(np.uint64), b[:wide].view(np.uint64), out=out[:wide].view(np.uint64))
     np.bitwise_xor(a[wide:], b[wide:], out=out[wide:])
-    return memoryview(out)
+    return out.data

@@ -29,7 +29,7 @@ CLEAR_WIN = 0.9
 #: with only the base's high planes at hand: if the lowest of them changed in fewer than this fraction of
 #: the sampled elements, most elements may be unchanged in every plane (rows a sparse optimizer did not
 #: touch), so the low planes may XOR to zeros too, and the whole base is fetched. Nearby dense float
-#: states change that plane in 24-100% of the elements (W1, one and ten steps apart).
+#: states change that plane in far more of their elements (figures: docs/benchmarks/incremental.md).
 BARELY_CHANGED = 0.1
 
 
@@ -91,7 +91,7 @@ class PlaneDelta(BytePlanes):
                 if base is None or len(base) != len(planes[k]):
                     raise ValueError(f"plane {k} is XORed with the base, but the base's plane {k} is missing")
                 planes[k] = np.bitwise_xor(planes[k], base, out=scratch(len(base), f"xor{k}"))
-        return memoryview(assemble(planes, tail, np.empty(out_size, dtype=np.uint8)))
+        return assemble(planes, tail, np.empty(out_size, dtype=np.uint8)).data
 
 
 def _barely_changed(planes: np.ndarray, base_planes: Sequence[np.ndarray | None]) -> bool:
@@ -111,7 +111,7 @@ def _xored(plane: memoryview, base: np.ndarray) -> memoryview:
     """``plane`` XOR ``base`` in this thread's scratch memory: a chosen XOR is kept only compressed (a copy),
     so the scratch is free again once :meth:`PlaneDelta._choose` returns."""
     out = scratch(len(base), "xor")
-    return memoryview(np.bitwise_xor(np.frombuffer(plane, dtype=np.uint8), base, out=out))
+    return np.bitwise_xor(np.frombuffer(plane, dtype=np.uint8), base, out=out).data
 
 
 def _size(plane: StoredPlane) -> int:

@@ -4,32 +4,24 @@ Level 1, the default, is tuned for byte planes of floats, which are short-range 
 the entropy coding of literals, not long matches. Its frames are ordinary zstd frames: only the compressor's
 search changes, and any zstd decoder reads them.
 
-* A 128-entry match table (``LEVEL1_HASH_LOG``) instead of level 1's own 2^14 or more: better matches on exponent
-  planes of real training states, 1.5-2.5x faster.
+* A small match table (``LEVEL1_HASH_LOG``) instead of level 1's own: on exponent planes it finds matches as
+  good, and faster.
 * Acceleration ``LEVEL1_ACCELERATION`` of the fast strategy (what negative levels use) with the literals still
   Huffman-coded: the search skips ahead faster where it finds no match, and the literals it leaves cost the same
   to code. zstd turns literal coding off with acceleration unless told otherwise, and only its advanced API can
-  tell it, which the ``zstandard`` package reaches through its CFFI backend (the ``zstandard[cffi]`` extra). On
-  W1's planes (``bench/plane_zstd.py``, one thread, ns per byte and stored fraction, before -> after): the weights'
-  high mantissa byte XORed with the keyframe's one step earlier 3.70 -> 1.35 ns/B, 0.337 -> 0.315; exp_avg_sq's
-  2.49 -> 1.36 on its sign-and-exponent byte at 0.307 either way; fp16's top byte of exp_avg 2.93 -> 1.57,
-  0.288 -> 0.279; the weights' sign-and-exponent byte 1.20 -> 1.01 at 0.339. Runs of zeros find fewer matches:
-  the weights' sign-and-exponent byte XORed one step apart grows from 0.013 to 0.029 of its size, and a delta of
-  a fine-tuning run (W2) from 0.3528 to 0.3552 of torch.save. So a plane whose sample compressed to under
-  ``SPARSE_BELOW`` of its size (:meth:`Zstd.encode_sampled`) is compressed without acceleration, where the
-  search is fast anyway. Without ``cffi`` level 1 falls back to the plain fast strategy with the same match table
+  tell it, which the ``zstandard`` package reaches through its CFFI backend (the ``zstandard[cffi]`` extra).
+  Acceleration finds fewer of the runs in mostly-zero planes (XOR deltas), so a plane whose sample compressed to
+  under ``SPARSE_BELOW`` of its size (:meth:`Zstd.encode_sampled`) is compressed without it, where the search is
+  fast anyway. Without ``cffi`` level 1 falls back to the plain fast strategy with the same match table
   (:data:`ACCELERATED`).
 * No search at all where a sample shows nothing for it to find: a plane whose sample compressed to
   ``LITERALS_FROM`` of its size or more is written as literals only, Huffman-coded in zstd's own blocks (zstd's
-  ``ZSTD_compressSequences`` given no sequences; :data:`LITERALS_ONLY`). The matches the search finds in such
-  planes save less than the literals they take out cost to code. On W1's planes (``bench/plane_zstd.py``, one
-  thread, ns per byte and stored fraction, accelerated search -> literals only; BENCHMARKS.md, issue 5): fp16's
-  top byte of exp_avg 1.61 -> 0.99, 0.279 -> 0.267; exp_avg's sign-and-exponent byte XORed one step apart
-  1.66 -> 1.18, 0.169 -> 0.162; the weights' high mantissa byte XORed one step apart 1.43 -> 1.05, 0.315 ->
-  0.305; exp_avg_sq's sign-and-exponent byte 1.11 -> 0.98 at 0.307-0.308. Decoding is faster too (0.60 -> 0.43,
-  0.80 -> 0.43 ns/B on the first two).
-  Below ``LITERALS_FROM`` runs pay: an fp16 low byte of exp_avg_sq whose sample compressed to 0.157 takes 0.099
-  of its size searched, 0.179 as literals (whose Huffman codes cost at least a bit per byte).
+  ``ZSTD_compressSequences`` given no sequences; :data:`LITERALS_ONLY`). The matches a search finds in such
+  planes save less than the literals they take out cost to code, and the frames decode faster. Below
+  ``LITERALS_FROM`` runs pay, since Huffman codes cost at least a bit per byte.
+
+Figures (speed and stored fraction per plane, ``bench/plane_zstd.py``, ``bench/accel_zstd.py``):
+docs/benchmarks/incremental.md and docs/benchmarks/lossy.md.
 """
 
 from __future__ import annotations
@@ -54,7 +46,7 @@ LEVEL1_ACCELERATION = 32
 #: without acceleration, which finds those runs (smaller output, and it decodes faster)
 SPARSE_BELOW = 0.1
 #: data whose sample compressed to at least this fraction has no runs worth a search: level 1 writes it as
-#: Huffman-coded literals only (every sampled 1 MiB plane of W1 above 0.19 came out smaller or within 2.5%)
+#: Huffman-coded literals only (planes above it come out about as small that way: docs/benchmarks/lossy.md)
 LITERALS_FROM = 0.2
 #: the compression levels zstd takes (``ZSTD_minCLevel()`` .. ``ZSTD_maxCLevel()``); a reader needs no level, but a
 #: spec outside them was not written by zstd's levels

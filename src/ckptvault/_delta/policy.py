@@ -83,8 +83,8 @@ class KeyframeCache:
     checks them and splits them into planes. With it, a keyframe save keeps the high planes of each chunk
     (:func:`kept_planes`: for float32, the sign-and-exponent plane and the high mantissa plane; half the
     state's bytes) and later delta saves against that keyframe XOR against those. The low planes are not
-    kept: between nearby float states they are noise, which a delta stores on its own anyway (W1, one step
-    and ten steps apart: 2 of 326 chunks XORed a low plane); a delta against the cache stores them on
+    kept: between nearby float states they are noise, which a delta stores on its own anyway (figures:
+    docs/benchmarks/incremental.md); a delta against the cache stores them on
     their own, unless the chunk barely changed (``_codecs/xplanes.py``, ``BARELY_CHANGED``: rows a sparse
     optimizer did not touch), when it reads the whole base instead.
 

@@ -47,7 +47,7 @@ def base_planes_for_save(store: Store, base_id: str, typesize: int, *, max_raw: 
         planes, _entries, tail = stage.decode_planes(payload, header.raw)
     except Exception as exc:  # any decoder failure means damaged bytes
         raise CorruptChunkError(base_id, f"payload does not decode ({type(exc).__name__}: {exc})") from None
-    if chunk_id(assemble(planes, tail, scratch(header.raw, "verify"))) != base_id:
+    if chunk_id(assemble(planes, tail, scratch(header.raw, "verify")).data) != base_id:
         raise CorruptChunkError(base_id, _MISMATCH)
     return planes
 

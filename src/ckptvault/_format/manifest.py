@@ -47,7 +47,7 @@ def encode_manifest(body: dict[str, Any] | Manifest) -> bytes:
 
 def decode_manifest(data: bytes, where: str, step: int | None = None,
                     chunk_size: int = MAX_CHUNK_SIZE) -> Manifest:
-    """Verify, parse and check a manifest (``format.schema``) of ``step`` (None: any) in a vault of ``chunk_size``;
+    """Verify, parse and check a manifest (``_format.schema``) of ``step`` (None: any) in a vault of ``chunk_size``;
     ``where`` names it in messages. Raises CorruptManifestError or FormatVersionError."""
     if len(data) <= _BODY_START or not data.startswith(_PREFIX) or data[_BODY_START - len(_MIDDLE) : _BODY_START] != _MIDDLE:
         raise CorruptManifestError(f"manifest {where} is truncated or not a ckptvault manifest ({len(data)} bytes)")

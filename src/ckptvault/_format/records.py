@@ -1,8 +1,8 @@
-"""The typed model of a manifest: what ``format.schema`` parses a manifest body into, and what a save builds.
+"""The typed model of a manifest: what ``_format.schema`` parses a manifest body into, and what a save builds.
 
 Every class is a frozen dataclass whose fields mirror the JSON fields of docs/DESIGN.md section 4;
 ``to_json`` gives the body back with its keys in the order the format has always written them, so encoding a
-parsed manifest reproduces its bytes. Code above ``format/`` reads manifests only through these types.
+parsed manifest reproduces its bytes. Code above ``_format/`` reads manifests only through these types.
 """
 
 from __future__ import annotations

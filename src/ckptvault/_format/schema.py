@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import builtins
 import math
 import re
 from collections.abc import Callable
@@ -84,22 +85,23 @@ class _Fields:
             self.fail(field, f"must be a string, not {_kind(value)}")
         return value
 
-    def bool(self, value: Any, field: str) -> bool:
+    # builtins.str and builtins.dict from here on: in the class body ``str`` and ``dict`` are the methods above
+    def bool(self, value: Any, field: builtins.str) -> bool:
         if not isinstance(value, bool):
             self.fail(field, f"must be true or false, not {_kind(value)}")
         return value
 
-    def number(self, value: Any, field: str) -> float:
+    def number(self, value: Any, field: builtins.str) -> float:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
             self.fail(field, f"must be a finite number, not {_short(value)}")
         return float(value)
 
-    def chunk_id(self, value: Any, field: str) -> str:
+    def chunk_id(self, value: Any, field: builtins.str) -> builtins.str:
         if not isinstance(value, str) or not _HEX_ID.fullmatch(value):
             self.fail(field, f"must be a chunk id (64 lowercase hex digits), not {_short(value)}")
         return value
 
-    def required(self, body: dict[str, Any], name: str, field: str = "") -> Any:
+    def required(self, body: builtins.dict[builtins.str, Any], name: builtins.str, field: builtins.str = "") -> Any:
         if name not in body:
             self.fail(field + name if not field else f"{field}.{name}", "is missing")
         return body[name]

@@ -25,7 +25,7 @@ from typing import Any, Protocol
 from .._format.keys import is_valid_tag
 from ..errors import InvalidArgumentError
 
-#: default grace period of garbage collection, in seconds (see gc.py)
+#: default grace period of garbage collection, in seconds (see ``_maintenance/gc.py``)
 DEFAULT_GRACE = 3600.0
 DAY = 86400.0
 WEEK = 7 * DAY
@@ -233,7 +233,7 @@ class Retention:
             raise InvalidArgumentError(
                 f"retention takes a Retention, a policy or a list of policies, not {value!r}: for example "
                 "Retention(keep_last=3, keep_every=1000) or [KeepLast(3), KeepEvery(1000)]")
-        return cls(*value)  # type: ignore[misc]
+        return cls(*value)
 
     def decide(self, infos: Sequence[RetentionInfo], now: float) -> list[Decision]:
         return decide(infos, self.policies, now)

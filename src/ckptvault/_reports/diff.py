@@ -230,7 +230,7 @@ def _read_values(vault: Vault, manifest: Manifest, indices: list[int], progress:
     tensors = manifest.tensors
     lossy = LossyReads(tensors, [i for i in indices if tensors[i].is_lossy])
     bufs = {i: np.empty(tensors[i].nbytes, np.uint8) for i in indices if not tensors[i].is_lossy}
-    dests: dict[Dest, memoryview | Callable[[], memoryview]] = {i: memoryview(b) for i, b in bufs.items()}
+    dests: dict[Dest, memoryview | Callable[[], memoryview]] = {i: b.data for i, b in bufs.items()}
     read_into(vault, manifest, {**dests, **lossy.dests()}, progress)
     for i in indices:
         if tensors[i].is_lossy:

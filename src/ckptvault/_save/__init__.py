@@ -1,4 +1,4 @@
-"""The save pipeline, in the order a save runs (docs/DESIGN.md §5).
+"""The save pipeline, in the order a save runs (docs/DESIGN.md §1; chunking: §5).
 
 ``snapshot`` (the only step training waits for; ``staging`` holds its host copy) -> ``lossy`` (per-tensor casts a
 rule asks for) -> ``chunking`` (cut arrays into fixed-size chunks) -> ``chunks`` (hash, dedup, encode, write;

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -199,7 +199,7 @@ class _ChunkWriter:
                 return _full(planes, raw, parts)  # no plane XORed: a plain planes payload
         return _full(planes, raw, planes.encode_parts(raw))
 
-    def _base_planes(self, base_id: str, typesize: int) -> list[np.ndarray | None]:
+    def _base_planes(self, base_id: str, typesize: int) -> Sequence[np.ndarray | None]:
         """The byte planes of keyframe chunk ``base_id``: from the keyframe cache (its high planes, None for the
         others), else read and verified. ObjectNotFoundError if the store lacks the chunk (cached or not: a
         delta needs it there)."""

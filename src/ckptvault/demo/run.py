@@ -126,8 +126,8 @@ def run_demo(opts: DemoOptions, on_step: OnStep | None = None) -> DemoReport:
         report.check = _check_in_fresh_process(mgr.url, report.final_step, Path(scratch), opts.repeat,
                                                opts.storage_options)
         report.steps = mgr.steps()
-        latest = mgr.info(report.final_step)
-        report.logical_bytes, report.stored_bytes = latest.logical_bytes, latest.stored_bytes
+        final = mgr.info(report.final_step)
+        report.logical_bytes, report.stored_bytes = final.logical_bytes, final.stored_bytes
         report.vault_bytes = sum(mgr.info(s).added_bytes for s in report.steps)
     log.info("demo finished: %d checkpoints, restore check %s", len(report.steps), "passed" if report.ok else "FAILED")
     return report
