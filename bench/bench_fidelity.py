@@ -1,6 +1,6 @@
-"""The issue-5 benchmark: lossy presets on W1: stored bytes, encoding throughput, and training fidelity.
+"""Lossy benchmark (docs/benchmarks/lossy.md): lossy presets on W1: stored bytes, encoding throughput, training fidelity.
 
-    .venv/bin/python bench/bench_fidelity.py                                 # as recorded in BENCHMARKS.md
+    .venv/bin/python bench/bench_fidelity.py                                 # every part (docs/benchmarks/lossy.md)
     .venv/bin/python bench/bench_fidelity.py --size tiny --train-size tiny --steps 20 --reps 1   # smoke, a minute
 
 Three parts (``--parts``):
@@ -54,7 +54,7 @@ import torch  # noqa: E402
 import workloads_incremental as wi  # noqa: E402
 from ckptvault import CheckpointManager  # noqa: E402
 from ckptvault._codecs import chain_for, encode_chain  # noqa: E402
-from ckptvault._codecs.lossy import SafetyPolicy, encode_safely, parse_codec  # noqa: E402
+from ckptvault._codecs.lossy import LossySafety, encode_safely, parse_codec  # noqa: E402
 from ckptvault._format.chunk_object import chunk_id  # noqa: E402
 from ckptvault._save.lossy import LossyBuffers  # noqa: E402
 from ckptvault.demo.data import batch, stdlib_bytes  # noqa: E402
@@ -66,9 +66,9 @@ from workloads import OUT_DIR, SIZES, W1_BATCH, W1_LR, assert_same_tensors, tens
 log = logging.getLogger("bench_fidelity")
 
 LOSSY_PRESETS = [p for p in PRESETS if p != "lossless"]
-#: preset -> (what is measured, limit as a fraction of torch.save) from the issue
+#: preset -> (what is measured, limit as a fraction of torch.save): the targets of docs/benchmarks/lossy.md
 TARGETS = {"moments-compact": ("keyframe", 0.50), "fp16": ("delta +1", 0.40), "bf16": ("delta +1", 0.40),
-           "residual": ("delta +10", 0.25)}  # moments-bf16 is a variant the issue sets no target for
+           "residual": ("delta +10", 0.25)}  # moments-bf16 is a variant with no target
 SLICE = 4 << 20
 EVAL_BATCHES, EVAL_BATCH_SIZE = 8, 8
 
@@ -135,7 +135,7 @@ def lossy_bytes(path: str, t: torch.Tensor, codec: str, base: torch.Tensor | Non
                 ) -> tuple[int, str]:
     spec, lossless = parse_codec(codec, "zstd")
     assert spec is not None
-    encoded, _notes = encode_safely(path, t, spec, SafetyPolicy(), base, BUFFERS.allocator(f"{codec}/{path}"))
+    encoded, _notes = encode_safely(path, t, spec, LossySafety(), base, BUFFERS.allocator(f"{codec}/{path}"))
     if encoded is None:
         return lossless_bytes(t, lossless, chunk_ids), "lossless"
     return sum(lossless_bytes(p, lossless, chunk_ids) for p in encoded.parts.values()), encoded.spec.name

@@ -276,7 +276,7 @@ def finish_campaign(campaign: Campaign) -> None:
     """Leftovers are invisible and removable by gc; afterwards every committed step still verifies and restores."""
     with CheckpointManager(campaign.vault) as mgr:
         store = mgr.vault.store
-        temps = store.temp_files()  # type: ignore[attr-defined]
+        temps = store.temp_files()
         assert all(t.key.startswith("tmp/") and t.key.endswith(".part") for t in temps)
         assert not [i for i in store.list() if i.key.startswith("tmp/")], "list() shows temporary files"
         referenced = {c["id"] for step in mgr.steps() for c in mgr.manifest(step)["chunks"]}
@@ -323,6 +323,7 @@ def run_campaign(tmp_path: Path, trials: int) -> Campaign:
 
 # -- tests -------------------------------------------------------------------------------------------
 def test_kill_nine_at_random_moments(tmp_path: Path) -> None:
+    """SIGKILL mid-save: exactly the committed manifests are listed, each restoring to its digest (DESIGN M1, M2)."""
     campaign = run_campaign(tmp_path, trials=24)
     assert campaign.expected, "no trial committed anything: the kills came too early to test anything"
     assert sum(campaign.outcomes[o] for o in ("killed between saves", "in-flight save lost (not visible)",

@@ -1,4 +1,4 @@
-"""Lossy compression (issue 5): bf16, fp16, block int8 and int8 weight residuals, chosen per tensor by rules.
+"""Lossy compression: bf16, fp16, block int8 and int8 weight residuals, chosen per tensor by rules.
 
 States come from a real small GPT trained with AdamW; saves go into real local vaults. What restore returns
 is checked three ways: against the exact values (per-element error bounds of each codec), against an
@@ -24,7 +24,6 @@ import torch
 import ckptvault
 from ckptvault import CheckpointManager
 from ckptvault._codecs import lossy, lossy_kernels
-from ckptvault._codecs.lossy import LossyCodecError
 from ckptvault._maintenance.gc import collect
 from ckptvault._reports.diff import diff_steps
 from ckptvault._restore import read_into
@@ -32,7 +31,7 @@ from ckptvault._save.lossy import LossyBuffers
 from ckptvault._tree import leaf_paths
 from ckptvault.demo.data import batch, stdlib_bytes
 from ckptvault.demo.model import GPT, GPTConfig
-from ckptvault.errors import InvalidArgumentError
+from ckptvault.errors import InvalidArgumentError, LossyCodecError
 from ckptvault.rules import CodecRules
 from conftest import assert_same_state, manifest_files
 
@@ -215,7 +214,7 @@ def test_recorded_errors_match_the_restored_tensors(run: list[dict[str, Any]], t
 # -- residuals ------------------------------------------------------------------------------------------
 def test_residual_error_follows_movement_and_never_accumulates(run: list[dict[str, Any]], tmp_path: Path) -> None:
     """Every checkpoint is int8(w_j - w_0) against the exact keyframe: its error is bounded by its own
-    quantisation step however many checkpoints lie between it and the keyframe."""
+    quantisation step however many checkpoints lie between it and the keyframe. (DESIGN L3)"""
     rules = {"model.*": "residual-int8:64"}
     with save_all(tmp_path / "v", dict(enumerate(run)), rules, keyframe_every=STEPS) as mgr:
         assert_same_state(run[0], mgr.restore(0))  # the keyframe holds the weights exactly
@@ -251,6 +250,7 @@ def test_residual_is_much_smaller_than_int8_of_the_weights(run: list[dict[str, A
 
 
 def test_residuals_survive_deleting_the_keyframe_and_gc(run: list[dict[str, Any]], tmp_path: Path) -> None:
+    """A residual's chunk table names the keyframe copy's chunks: gc keeps them once the keyframe is deleted (DESIGN L4)."""
     with save_all(tmp_path / "v", {0: run[0], 1: run[1], 2: run[2]}, {"model.*": "residual-int8"}) as mgr:
         before = mgr.restore(2)
         mgr.delete(0)
@@ -285,6 +285,7 @@ def test_restore_into_live_model_and_optimizer_in_place(run: list[dict[str, Any]
 
 # -- safety -------------------------------------------------------------------------------------------------
 def test_fp16_flushing_adam_second_moments_falls_back_to_bf16(run: list[dict[str, Any]], tmp_path: Path) -> None:
+    """fp16 flushing more than max_flushed of the non-zero values is unsafe and falls back to bf16 with a note (DESIGN L1, L2)."""
     with CheckpointManager(tmp_path / "v", codec_rules={"*exp_avg_sq": "fp16"}) as mgr:
         with pytest.warns(RuntimeWarning, match=r"fp16 on 'optimizer\.state\.\d+\.exp_avg_sq' is unsafe: [\d.]+% of "
                                                 r"non-zero values flushed to zero \(limit 5\.0%.*\); fell back to bf16"):
@@ -300,6 +301,7 @@ def test_fp16_flushing_adam_second_moments_falls_back_to_bf16(run: list[dict[str
 
 
 def test_fp16_overflow_falls_back(tmp_path: Path) -> None:
+    """A finite value cast to inf is unsafe: fp16 falls back to bf16 (DESIGN L1, L2)."""
     state = {"big": torch.tensor([1e5, -7e4, 1.0, 3.0]), "fine": torch.tensor([1.0, 2.0])}
     with CheckpointManager(tmp_path / "v", codec_rules={"*": "fp16"}) as mgr:
         with pytest.warns(RuntimeWarning, match=r"fp16 on 'big' is unsafe: 2 values overflowed to inf; fell back to bf16"):
@@ -310,6 +312,7 @@ def test_fp16_overflow_falls_back(tmp_path: Path) -> None:
 
 
 def test_int8_flushing_falls_back_and_max_flushed_decides(tmp_path: Path) -> None:
+    """int8 flushing is unsafe beyond max_flushed and falls back to bf16; within it the result is kept (DESIGN L1, L2)."""
     values = torch.full((256,), 1e-6)
     values[0] = 1.0  # one large value per block: every small one rounds to zero
     with CheckpointManager(tmp_path / "a", codec_rules={"*": "int8-block"}) as mgr:
@@ -327,6 +330,7 @@ def test_int8_flushing_falls_back_and_max_flushed_decides(tmp_path: Path) -> Non
 @pytest.mark.parametrize("async_save", [False, True])
 def test_on_unsafe_fail_raises_with_the_path_and_commits_nothing(run: list[dict[str, Any]], tmp_path: Path,
                                                                  async_save: bool) -> None:
+    """on_unsafe='fail' raises LossyCodecError naming the key path, and nothing is committed (DESIGN L2)."""
     root = tmp_path / "v"
     match = r"fp16 on 'optimizer\.state\.0\.exp_avg_sq' is unsafe: .* flushed to zero .*; choose a safer codec"
     with CheckpointManager(root, codec_rules={"*exp_avg_sq": "fp16"}, on_unsafe="fail", async_save=async_save) as mgr:
@@ -338,6 +342,7 @@ def test_on_unsafe_fail_raises_with_the_path_and_commits_nothing(run: list[dict[
 
 
 def test_on_unsafe_keep_keeps_and_warns(run: list[dict[str, Any]], tmp_path: Path) -> None:
+    """on_unsafe='keep' stores the unsafe result with a warning and a note (DESIGN L2)."""
     with CheckpointManager(tmp_path / "v", codec_rules={"*exp_avg_sq": "fp16"}, on_unsafe="keep") as mgr:
         with pytest.warns(RuntimeWarning, match=r"exp_avg_sq' is unsafe: .*; kept because on_unsafe='keep'"):
             mgr.save(3, run[3]).wait()
@@ -595,16 +600,16 @@ def test_a_kept_overflow_is_recorded_as_inf(tmp_path: Path) -> None:
 def test_a_certainly_unsafe_result_is_not_measured_to_the_end() -> None:
     """With fallback or fail, measuring stops once the result is certainly unsafe; with keep it never stops."""
     tiny = torch.rand(3 << 20, generator=torch.Generator().manual_seed(0)) * 1e-9  # fp16 flushes all of it
-    encoded, notes = lossy.encode_safely("m", tiny, lossy.LossySpec("fp16"), lossy.SafetyPolicy())
+    encoded, notes = lossy.encode_safely("m", tiny, lossy.LossySpec("fp16"), lossy.LossySafety())
     assert encoded is not None and encoded.spec.kind == "bf16" and "partial" not in encoded.error
     assert notes == ["fp16 on 'm' is unsafe: 100.0% of non-zero values flushed to zero (limit 5.0%; measured on the "
                      "first 262144 of 3145728 values); fell back to bf16"]  # 2^16 cast, then 2^16 and 2^17 counted
     big = torch.ones(3 << 20)
     big[-1] = 1e5
     with pytest.raises(LossyCodecError, match=r"fp16 on 'b' is unsafe: 1 values overflowed to inf"):
-        lossy.encode_safely("b", big, lossy.LossySpec("fp16"), lossy.SafetyPolicy("fail"))  # in the last block
+        lossy.encode_safely("b", big, lossy.LossySpec("fp16"), lossy.LossySafety("fail"))  # in the last block
     with pytest.warns(RuntimeWarning, match="kept because"):
-        kept, _ = lossy.encode_safely("m", tiny, lossy.LossySpec("fp16"), lossy.SafetyPolicy("keep"))
+        kept, _ = lossy.encode_safely("m", tiny, lossy.LossySpec("fp16"), lossy.LossySafety("keep"))
     assert kept is not None and "partial" not in kept.error and kept.error["flushed"] == 1.0
     stopped = lossy.encode(tiny, lossy.LossySpec("fp16"), give_up=0.05)  # cast block by block, stopped early
     assert stopped.error["partial"]
@@ -614,7 +619,7 @@ def test_a_certainly_unsafe_result_is_not_measured_to_the_end() -> None:
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", RuntimeWarning)
-                kept, _ = lossy.encode_safely("m", tiny, lossy.LossySpec("fp16"), lossy.SafetyPolicy(policy))
+                kept, _ = lossy.encode_safely("m", tiny, lossy.LossySpec("fp16"), lossy.LossySafety(policy))
         except LossyCodecError:
             continue
         assert kept is not None and "partial" not in kept.error
@@ -662,7 +667,7 @@ def test_a_tensor_unsafe_only_in_its_first_part_is_encoded_whole_and_kept(spec: 
     x[:first] = 1e-9
     if spec.kind == "int8-block":
         x[:first:256] = 1.0  # each block's scale: the other values flush
-    encoded, notes = lossy.encode_safely("t", x, spec, lossy.SafetyPolicy())
+    encoded, notes = lossy.encode_safely("t", x, spec, lossy.LossySafety())
     assert encoded is not None and encoded.spec == spec and not notes and "partial" not in encoded.error
     reference = lossy.encode(x, spec)
     assert torch.equal(encoded.parts["q"], reference.parts["q"]) and encoded.error == reference.error

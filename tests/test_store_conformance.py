@@ -47,6 +47,7 @@ class TestLocalStore(StoreConformance):
         assert [info.key for info in store.temp_files()] == ["tmp/leftover.part"]
 
     def test_a_write_batch_shows_its_objects_only_once_they_are_synced(self, store: Store) -> None:
+        """A batch's chunks appear under their keys only once durable, so no manifest names a chunk that is not (DESIGN M2)."""
         assert isinstance(store, LocalStore)
         batch = store.write_batch()
         assert isinstance(batch, LocalWriteBatch)  # Linux 5.8+, as here and in CI

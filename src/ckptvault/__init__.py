@@ -6,38 +6,81 @@ Quick start::
     with ckptvault.CheckpointManager("./ckpts") as mgr:
         mgr.save(step, {"model": model.state_dict(), "optimizer": opt.state_dict()})
         state = mgr.restore()
+
+The public API is what ``__all__`` names here, plus :mod:`ckptvault.errors`, :mod:`ckptvault.stores` (to write a
+store) and :mod:`ckptvault.testing` (a store's conformance suite). Modules and packages whose names begin with an
+underscore are internal and may change in any release.
 """
 
 from __future__ import annotations
 
+import inspect
+from typing import Any
+
 from . import errors
+from ._maintenance.copy import CopyPlan, CopyResult, copy_checkpoints
+from ._maintenance.gc import GCPlan, GCResult
+from ._maintenance.prune import PrunePlan, PruneResult
+from ._maintenance.retention import (
+    KeepBest,
+    KeepDaily,
+    KeepEvery,
+    KeepIf,
+    KeepInterval,
+    KeepLast,
+    KeepWeekly,
+    Policy,
+    Retention,
+    RetentionInfo,
+)
+from ._reports.verify import VerifyReport
 from ._version import __version__
 from .handle import SaveHandle
 from .info import CheckpointInfo, TensorInfo
 from .manager import CheckpointManager
+from .options import AsyncOptions, DeltaOptions, LossySafety
+from .rules import CodecRules
+from .stores import LocalOptions, LocalStore, MemoryStore, ObjectInfo, S3Options, StorageOptions, Store, open_store
 
-__all__ = ["CheckpointInfo", "CheckpointManager", "SaveHandle", "TensorInfo", "__version__", "errors", "load", "save"]
+__all__ = [
+    "AsyncOptions", "CheckpointInfo", "CheckpointManager", "CodecRules", "CopyPlan", "CopyResult", "DeltaOptions",
+    "GCPlan", "GCResult", "KeepBest", "KeepDaily", "KeepEvery", "KeepIf", "KeepInterval", "KeepLast", "KeepWeekly",
+    "LocalOptions", "LocalStore", "LossySafety", "MemoryStore", "ObjectInfo", "Policy", "PrunePlan", "PruneResult",
+    "Retention", "RetentionInfo", "S3Options", "SaveHandle", "StorageOptions", "Store", "TensorInfo", "VerifyReport",
+    "__version__", "copy_checkpoints", "errors", "load", "open_store", "save",
+]
+
+_SAVE_KEYWORDS = set(inspect.signature(CheckpointManager.save).parameters) - {"self", "step", "state"}
+_RESTORE_KEYWORDS = set(inspect.signature(CheckpointManager.restore).parameters) - {"self", "step"}
 
 
-def save(state, url, step: int, **kwargs):  # type: ignore[no-untyped-def]
-    """Save ``state`` as ``step`` into the vault at ``url`` and wait until committed.
+def save(state: Any, url: Any, step: int, **options: Any) -> CheckpointInfo | None:
+    """Save ``state`` as ``step`` into the vault at ``url``, wait until it is committed, and return its info.
 
-    The save is synchronous: it returns once committed, so copying the state into
-    staging memory first (or keeping a keyframe cache for a manager that ends
-    with the call) would only cost time and memory. For saves that return early
-    and for cached keyframes, keep a :class:`CheckpointManager` open.
-
-    Keyword arguments are those of :meth:`CheckpointManager.save`, plus the
-    manager's own (``codec``, ``codec_rules``, ``chunk_size``, ``storage_options``, ``on_unsafe``, ``max_flushed``).
+    Takes every keyword of :meth:`CheckpointManager.save` (``metrics``, ``metadata``, ``overwrite``,
+    ``allow_pickle``, ``progress``) and every keyword of :class:`CheckpointManager` (``codec_rules``,
+    ``storage_options``, ``delta``, ``keyframe_every``, ...), except ``async_save``: this call is synchronous, as
+    copying the state into staging memory first (or caching a keyframe for a manager that ends with the call) would
+    only cost time and memory. For saves that return early, keep a :class:`CheckpointManager` open.
     """
-    manager_kwargs = {k: kwargs.pop(k) for k in ("codec", "codec_rules", "chunk_size", "storage_options", "workers",
-                                                 "on_unsafe", "max_flushed") if k in kwargs}
-    with CheckpointManager(url, async_save=False, **manager_kwargs) as mgr:
-        return mgr.save(step, state, **kwargs).wait()
+    if "async_save" in options:
+        raise errors.InvalidArgumentError("ckptvault.save() is synchronous and takes no async_save; for saves that "
+                                          "return before they are written, use CheckpointManager(...).save()")
+    save_kwargs = {k: options.pop(k) for k in _SAVE_KEYWORDS & set(options)}
+    with CheckpointManager(url, async_save=False, **options) as mgr:
+        return mgr.save(step, state, **save_kwargs).wait()
 
 
-def load(url, step: int | None = None, **kwargs):  # type: ignore[no-untyped-def]
-    """Restore ``step`` (default: latest) from the vault at ``url``; see :meth:`CheckpointManager.restore`."""
-    manager_kwargs = {k: kwargs.pop(k) for k in ("storage_options", "workers") if k in kwargs}
-    with CheckpointManager(url, **manager_kwargs) as mgr:
-        return mgr.restore(step, **kwargs)
+def load(url: Any, step: int | None = None, **options: Any) -> Any:
+    """Restore ``step`` (default: latest) from the vault at ``url``.
+
+    Takes every keyword of :meth:`CheckpointManager.restore` (``into``, ``keys``, ``strict``, ``allow_pickle``,
+    ``progress``) and the manager's ``storage_options`` and ``workers``.
+    """
+    restore_kwargs = {k: options.pop(k) for k in _RESTORE_KEYWORDS & set(options)}
+    unknown = sorted(set(options) - {"storage_options", "workers"})
+    if unknown:
+        raise TypeError(f"load() got an unexpected keyword argument {unknown[0]!r}: it takes the keywords of "
+                        "CheckpointManager.restore plus storage_options and workers")
+    with CheckpointManager(url, **options) as mgr:
+        return mgr.restore(step, **restore_kwargs)

@@ -20,7 +20,7 @@ def check_kind(name: str, value: Any, *kinds: type) -> None:
     admitted = tuple(_ADMITS.get(kind, kind) for kind in kinds)
     if isinstance(value, admitted) and not (isinstance(value, bool) and bool not in kinds):
         return
-    names = " or ".join(_KIND_NAMES[kind] for kind in kinds if not (kind is int and float in kinds))
+    names = " or ".join(_KIND_NAMES.get(kind, kind.__name__) for kind in kinds if not (kind is int and float in kinds))
     raise InvalidArgumentError(f"{name} must be {names}, got {value!r} ({type(value).__name__})")
 
 

@@ -19,7 +19,6 @@ import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
 from ._argcheck import check_kind
 from ._codecs import DEFAULT_CODEC, validate_codec_name
@@ -38,7 +37,7 @@ from .errors import (
     StepNotFoundError,
     VaultNotFoundError,
 )
-from .stores import Store, open_store
+from .stores import StorageOptions, Store, open_store
 
 log = logging.getLogger(__name__)
 
@@ -50,23 +49,21 @@ MAX_DESCRIPTOR_SIZE = 64 << 10
 
 def default_workers() -> int:
     """Threads for encoding and I/O: twice the cores, at least 4. Codecs and hashes release the GIL;
-    the extra threads keep the cores busy while others wait in fsync (measured on 2 cores: 2 -> 8 workers
-    took a W1 save from 3.66 s to 2.48 s)."""
+    the extra threads keep the cores busy while others wait in fsync (figures: docs/benchmarks/core.md)."""
     return max(4, 2 * (os.cpu_count() or 2))
 
 
 class Vault:
     """Low-level access to one vault. Thread-safe; owns a worker pool."""
 
-    def __init__(self, url: str | os.PathLike[str] | Store, storage_options: dict[str, Any] | None = None,
+    def __init__(self, url: str | os.PathLike[str] | Store, storage_options: StorageOptions | None = None,
                  workers: int | None = None) -> None:
         check_kind("workers", workers, int, type(None))
         if workers is not None and workers < 1:
             raise InvalidArgumentError(f"workers must be at least 1 (None: the default), got {workers}")
         self.store = open_store(url, storage_options)
         self.url = self.store.url
-        # a store whose requests wait on the network (S3) asks for more threads than there are cores
-        self.workers = workers or max(default_workers(), getattr(self.store, "preferred_workers", 0))
+        self.workers = workers or max(default_workers(), self.store.preferred_workers)
         self._pool: ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
         self._descriptor: Descriptor | None = None
@@ -95,7 +92,7 @@ class Vault:
 
     def default_chunk_size(self) -> int:
         """Chunk size of a new vault when none is given: the store's preference (S3: 16 MiB), else 4 MiB."""
-        return int(getattr(self.store, "preferred_chunk_size", 0) or DEFAULT_CHUNK_SIZE)
+        return self.store.preferred_chunk_size or DEFAULT_CHUNK_SIZE
 
     def create(self, chunk_size: int | None = None, codec: str = DEFAULT_CODEC) -> Descriptor:
         """Create the descriptor unless it exists (safe when several processes race); return it.

@@ -97,6 +97,11 @@ class InvalidArgumentError(VaultError, ValueError):
     """An argument has a value ckptvault cannot use."""
 
 
+class LossyCodecError(VaultError, ValueError):
+    """A lossy codec would destroy data (flush, overflow, NaN) and ``LossySafety(on_unsafe="fail")`` asked for an
+    error instead of a fallback."""
+
+
 class StorageError(VaultError, OSError):
     """A storage operation failed."""
 

@@ -14,6 +14,9 @@ from .info import CheckpointInfo
 
 
 class SaveHandle:
+    """What :meth:`CheckpointManager.save` returns: ``staged`` and ``committed`` futures (module docstring),
+    :meth:`wait` for the commit, and ``skipped`` for a save that ``on_busy="skip"`` did not run."""
+
     def __init__(self, step: int) -> None:
         self.step = step
         self.skipped = False

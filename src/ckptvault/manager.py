@@ -9,11 +9,11 @@ from typing import Any
 
 from ._argcheck import check_kind, check_progress
 from ._codecs import DEFAULT_CODEC
-from ._codecs.lossy import SafetyPolicy
 from ._codecs.planes import load_kernels_in_background
 from ._delta.policy import DeltaPolicy
 from ._format.manifest import manifest_key
-from ._maintenance.mixin import MaintenanceMixin, Retention, apply_retention
+from ._maintenance.mixin import MaintenanceMixin, apply_retention
+from ._maintenance.retention import Policy, Retention
 from ._reports.verify import VerifyReport, verify_steps
 from ._restore import restore_into, restore_tree
 from ._save.commit import check_step, json_fields
@@ -22,8 +22,9 @@ from ._vault import Vault
 from .errors import StepExistsError, VaultNotFoundError
 from .handle import SaveHandle
 from .info import CheckpointInfo, info_from_manifest
+from .options import AsyncOptions, DeltaOptions, LossySafety, grouped
 from .rules import CodecRules, preset_rules
-from .stores import Store
+from .stores import StorageOptions, Store
 
 log = logging.getLogger(__name__)
 
@@ -33,40 +34,27 @@ Progress = Callable[[int], None]
 class CheckpointManager(MaintenanceMixin):
     """Save, list, inspect and restore checkpoints in one vault.
 
-    ``url`` is a local path, ``file://``, or ``memory://`` URL (or a Store).
-    The vault is created on the first save; reading an absent vault finds no
-    steps. ``chunk_size`` is for a new vault (default 4 MiB; 16 MiB on S3,
-    where fewer objects save time). ``codec`` is the default lossless codec for new vaults (``zstd``,
-    ``lz4``, ``none``/``fast``, ``zstd-N``); ``codec_rules`` override it per key
-    path, first match wins, and may name lossy codecs (``bf16``, ``fp16``,
-    ``int8-block[:B]``, ``residual-int8[:B]``; see ``_codecs/lossy.py``) or be a preset
-    name (``"moments-compact"``; see ``rules.py``). Lossy results that flush
-    more than ``max_flushed`` of the non-zero values, overflow or make NaNs
-    are handled per ``on_unsafe`` (``"fallback"``, ``"fail"``, ``"keep"``).
-    Use as a context manager or call :meth:`close`.
+    ``url`` is a local path, ``file://``, ``memory://`` or ``s3://`` URL, any URL fsspec knows, or a Store.
+    The vault is created on the first save; reading an absent vault finds no steps.
 
-    Incremental saves (``incremental=True``, the default): chunks identical to
-    stored ones are never written again, and changed chunks are stored as
-    deltas against the same region of the latest keyframe, each byte plane
-    XORed with the keyframe's where that compresses better. A keyframe (stored without deltas) is written every
-    ``keyframe_every`` checkpoints, or when the previous checkpoint added more
-    than ``keyframe_growth`` x the keyframe's stored bytes; so restoring any
-    checkpoint reads at most one base chunk per chunk.
+    How data is stored: ``codec`` is the default lossless codec of a new vault (``zstd``, ``lz4``,
+    ``none``/``fast``, ``zstd-N``); ``codec_rules`` override it per key path, first match wins, and may name
+    lossy codecs (``bf16``, ``fp16``, ``int8-block[:B]``, ``residual-int8[:B]``) or be a preset name
+    (``"moments-compact"``; ``ckptvault presets`` lists them). ``chunk_size`` is for a new vault (default
+    4 MiB; 16 MiB on S3, where fewer objects save time). ``storage_options``: the store's
+    :class:`~ckptvault.LocalOptions` or :class:`~ckptvault.S3Options`, or a dict of the same keys (fsspec: its
+    filesystem's arguments). ``workers``: threads for chunk I/O (default: from the CPU count and the store).
 
-    Asynchronous saves (``async_save=True``, the default) stage the state into
-    a reusable host buffer and write in the background; ``max_staging_bytes``
-    caps that buffer (a larger state is saved synchronously), ``on_busy``
-    says what a save does while another is in flight (``"wait"`` or ``"skip"``).
+    How saves run: ``async_save=True`` (the default) stages the state into host memory and writes in the
+    background, tuned by ``async_options`` (:class:`~ckptvault.AsyncOptions`). ``incremental=True`` (the
+    default) writes chunks identical to stored ones never again and stores changed chunks as deltas against
+    the latest keyframe, tuned by ``delta`` (:class:`~ckptvault.DeltaOptions`). ``lossy_safety``
+    (:class:`~ckptvault.LossySafety`) says what happens to a lossy result that flushes, overflows or makes NaNs.
+    ``retention`` (a :class:`~ckptvault.Retention`, a policy or a list of policies) prunes after each commit.
 
-    ``cache_keyframe`` keeps the high byte planes of the latest keyframe's chunks
-    in host memory (half the state's bytes for float32), so that delta saves
-    encode against them instead of reading the keyframe back from the store and
-    checking it: about a quarter less CPU per delta save, and no GETs of the whole
-    keyframe on object storage. ``None`` (the default) keeps it for states
-    saved asynchronously (host memory then holds the staging copy, 1x the
-    state, plus this cache, 0.5x); ``True`` for every save; ``False`` never.
-    There is no cache where no delta could use it (``incremental=False`` or
-    ``keyframe_every=1``).
+    The flat spellings of earlier versions (``keyframe_every=5``, ``on_busy="skip"``, ``max_flushed=0.1``, ...,
+    every field of those option objects) still work; each folds into its object. Use as a context manager or call
+    :meth:`close`.
     """
 
     def __init__(
@@ -76,31 +64,29 @@ class CheckpointManager(MaintenanceMixin):
         codec: str | None = None,
         codec_rules: str | Mapping[str, str] | Iterable[tuple[str, str]] | None = None,
         chunk_size: int | None = None,
-        storage_options: dict[str, Any] | None = None,
+        storage_options: StorageOptions | None = None,
         workers: int | None = None,
-        incremental: bool = True,
-        keyframe_every: int = 10,
-        keyframe_growth: float = 0.9,
-        retention: Any = None,
         async_save: bool = True,
-        on_busy: str = "wait",
-        max_staging_bytes: int | None = None,
-        on_unsafe: str = "fallback",
-        max_flushed: float = 0.05,
-        cache_keyframe: bool | None = None,
+        incremental: bool = True,
+        delta: DeltaOptions | None = None,
+        async_options: AsyncOptions | None = None,
+        lossy_safety: LossySafety | None = None,
+        retention: Retention | Policy | Iterable[Policy] | None = None,
+        **flat: Any,
     ) -> None:
+        options = grouped({"delta": delta, "async_options": async_options, "lossy_safety": lossy_safety}, flat)
+        delta, async_options, lossy_safety = options["delta"], options["async_options"], options["lossy_safety"]
         self.vault = Vault(url, storage_options, workers)
         self.url = self.vault.url
         self._codec = codec
         self._chunk_size = chunk_size
         self._codec_rules = preset_rules(codec_rules) if isinstance(codec_rules, str) else codec_rules
         CodecRules(self._codec_rules, DEFAULT_CODEC if codec is None else codec)  # validate early
-        self.delta_policy = DeltaPolicy(incremental, keyframe_every, keyframe_growth)
+        self.delta_policy = DeltaPolicy(incremental, delta.keyframe_every, delta.keyframe_growth)
         self.retention = Retention.coerce(retention)
-        self._saver = Saver(self.vault, self.delta_policy, async_save=async_save, on_busy=on_busy,
-                            max_staging_bytes=max_staging_bytes, after_commit=self._after_commit,
-                            safety=SafetyPolicy(on_unsafe, max_flushed), cache_keyframe=cache_keyframe)
-        self._loading_kernels = load_kernels_in_background()  # the first save would otherwise wait ~1 s for numba
+        self._saver = Saver(self.vault, self.delta_policy, async_save=async_save, async_options=async_options,
+                            after_commit=self._after_commit, safety=lossy_safety, cache_keyframe=delta.cache_keyframe)
+        self._loading_kernels = load_kernels_in_background()  # the first save would otherwise wait for numba to load
 
     # -- saving ------------------------------------------------------------
     def save(
@@ -185,7 +171,19 @@ class CheckpointManager(MaintenanceMixin):
         (``keys`` limits it to matching key paths; only those are read).
         With ``into``: copies into the tensors of ``into`` in place (matched by
         key path at the root or under one saved subtree, e.g. ``model``) and
-        returns ``into``; no second copy of the state is made.
+        returns ``into``; no second copy of the state is made. As in
+        torch.distributed.checkpoint, the target decides what is read: only
+        the tensors ``into`` names are read (and only their chunks fetched), so
+        ``into={"model": model.state_dict()}`` restores the model from a
+        checkpoint that also holds an optimizer. Saved entries ``into`` does
+        not name, whether another subtree or a sibling inside a subtree it
+        names, are neither read nor an error.
+        ``strict=True``: every tensor of ``into`` must be in the checkpoint,
+        else :class:`~ckptvault.errors.KeyMismatchError` names the missing
+        key paths. ``strict=False``: those are skipped and left unchanged. A
+        dtype or shape mismatch is a ``KeyMismatchError`` either way. Leaves
+        of ``into`` that are not tensors or arrays (ints, floats, ...) are
+        left as they are.
         """
         check_kind("strict", strict, bool)
         check_kind("allow_pickle", allow_pickle, bool)  # "no" would allow unpickling

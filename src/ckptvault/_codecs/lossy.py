@@ -42,7 +42,7 @@ import numpy as np
 import torch
 
 from .._argcheck import check_kind
-from ..errors import InvalidArgumentError, VaultError
+from ..errors import InvalidArgumentError, LossyCodecError
 from . import validate_codec_name
 
 if TYPE_CHECKING:
@@ -56,10 +56,6 @@ DEFAULT_BLOCK = 256
 _NAME = re.compile(r"(?P<kind>bf16|fp16|int8-block|residual-int8)(?::(?P<param>\d+))?(?:\+(?P<lossless>[\w-]+))?$")
 
 
-class LossyCodecError(VaultError, ValueError):
-    """A lossy codec would destroy data (flush, overflow, NaN) and ``on_unsafe="fail"``."""
-
-
 @dataclass(frozen=True)
 class LossySpec:
     kind: str
@@ -71,7 +67,13 @@ class LossySpec:
 
 
 @dataclass(frozen=True)
-class SafetyPolicy:
+class LossySafety:
+    """What a save does with a lossy result that is unsafe: one that flushes more than ``max_flushed`` of the
+    tensor's non-zero values to zero, overflows, or makes NaNs. ``on_unsafe``: ``"fallback"`` (the default)
+    tries the next safer codec (fp16 -> bf16, ...; at the end lossless) and notes why in the tensor's manifest
+    entry, ``"fail"`` fails the save with LossyCodecError, ``"keep"`` keeps the result and notes it. Each case
+    other than a safe result also warns (RuntimeWarning)."""
+
     on_unsafe: str = "fallback"
     max_flushed: float = 0.05
 
@@ -371,7 +373,7 @@ def error_for_manifest(error: dict[str, float]) -> dict[str, float | str]:
     return {k: v if isinstance(v, int) or math.isfinite(v) else str(v) for k, v in error.items()}
 
 
-def unsafe_reason(error: dict[str, float], policy: SafetyPolicy) -> str | None:
+def unsafe_reason(error: dict[str, float], policy: LossySafety) -> str | None:
     """Why an encoding destroys data, or None if it is acceptable."""
     partial = error.get("partial")
     least = "at least " if partial else ""
@@ -388,7 +390,7 @@ def unsafe_reason(error: dict[str, float], policy: SafetyPolicy) -> str | None:
 _FALLBACK = {"fp16": "bf16", "int8-block": "bf16", "bf16": None, "residual-int8": None}
 
 
-def encode_safely(path: str, t: torch.Tensor, spec: LossySpec, policy: SafetyPolicy,
+def encode_safely(path: str, t: torch.Tensor, spec: LossySpec, policy: LossySafety,
                   base: torch.Tensor | None = None, alloc: Alloc = fresh) -> tuple[Encoded | None, list[str]]:
     """Encode per the safety policy. Returns (encoding or None for lossless, notes for the manifest).
     ``alloc``: as for :func:`encode`; each attempt of a fallback reuses it."""

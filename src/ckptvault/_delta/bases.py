@@ -49,7 +49,7 @@ def _locate(base: TensorRecord | None, record: ArrayRecord, start: int, length: 
     """(chunk index, offset in chunk) of bytes [start, start+length) of ``base``, if in one piece."""
     if base is None or base.kind != record.kind or base.dtype != record.dtype or base.shape != tuple(record.shape):
         return None
-    if _stored_as(base.lossy) != _pending_stored_as(record.lossy):
+    if _stored_as(base.lossy) != _stored_as(record.lossy):
         return None
     position = 0
     for piece in base.pieces:
@@ -60,15 +60,9 @@ def _locate(base: TensorRecord | None, record: ArrayRecord, start: int, length: 
 
 
 def _stored_as(lossy: LossyInfo | None) -> tuple[Any, ...]:
-    """What identifies a manifest record's lossy stored form (() for exact storage); deltas need equal forms."""
+    """What identifies a lossy stored form, of a manifest record or of one a save is writing (() for exact
+    storage); deltas need equal forms."""
     return () if lossy is None else _form(lossy.codec, lossy.block, lossy.stored_dtype, lossy.base_step)
-
-
-def _pending_stored_as(lossy: dict[str, Any] | None) -> tuple[Any, ...]:
-    """:func:`_stored_as` of the lossy description a save is about to write (``ArrayRecord.lossy``)."""
-    if not lossy:
-        return ()
-    return _form(lossy["codec"], lossy.get("block"), lossy.get("stored_dtype"), lossy.get("base_step"))
 
 
 def _form(codec: str, block: int | None, stored_dtype: str | None, base_step: int | None) -> tuple[Any, ...]:

@@ -37,7 +37,7 @@ from ..errors import (
     StepExistsError,
     StepNotFoundError,
 )
-from ..stores import Store
+from ..stores import StorageOptions, Store
 from ..stores.base import WriteBatch
 
 log = logging.getLogger(__name__)
@@ -221,8 +221,8 @@ def _transfer(src: Store, dst: Store, batch: WriteBatch, key: str, send: bool, p
 
 def copy_checkpoints(src: str | os.PathLike[str] | Store, dst: str | os.PathLike[str] | Store,
                      steps: list[int] | None = None, *, overwrite: bool = False, verify: bool = False,
-                     dry_run: bool = False, src_options: dict[str, Any] | None = None,
-                     dst_options: dict[str, Any] | None = None, workers: int | None = None,
+                     dry_run: bool = False, src_options: StorageOptions | None = None,
+                     dst_options: StorageOptions | None = None, workers: int | None = None,
                      progress: Progress | None = None) -> tuple[CopyPlan, CopyResult | None]:
     """Copy ``steps`` (default: all) from the vault at ``src`` to ``dst``; returns the plan and (unless ``dry_run``)
     what was done. ``progress`` is called with the size of each chunk object sent."""

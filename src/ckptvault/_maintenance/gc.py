@@ -288,8 +288,7 @@ def _other_garbage(store: Store, cutoff: float, committed: set[int | None]) -> l
     """Old temp files, old clock markers, and old pins of steps that are not committed: only objects named exactly
     as ckptvault names them (anything else in those folders is not ckptvault's to delete)."""
     out: list[Garbage] = []
-    temp_files = getattr(store, "temp_files", None)
-    for info in temp_files() if callable(temp_files) else []:
+    for info in store.temp_files():
         if is_temp_key(info.key) and info.mtime <= cutoff:
             out.append(Garbage(info.key, info.size, info.mtime, "temp"))
     for info in store.list(MARKER_PREFIX):

@@ -84,23 +84,17 @@ def _tensor_record(record: ArrayRecord, pieces: list[Piece], remap: list[int], t
         path=record.path, kind=record.kind, dtype=record.dtype, shape=tuple(record.shape), nbytes=record.nbytes,
         codec=record.codec, pieces=tuple(records.Piece(remap[p.chunk], p.offset, p.length) for p in pieces),
         global_shape=tuple(record.shape), offsets=(0,) * len(record.shape), requires_grad=record.requires_grad,
-        device=None if record.device == "cpu" else record.device,
-        lossy=None if record.lossy is None else _lossy_info(record.lossy, table))
+        device=None if record.device == "cpu" else record.device, lossy=_lossy_info(record, table))
 
 
-def _lossy_info(lossy: dict[str, Any], table: _ChunkTable) -> LossyInfo:
-    """The manifest's form of the lossy description a save made (``lossy_stage``); a residual's keyframe copy
-    is named in this manifest's own chunk table, so its chunks stay live (DESIGN §12, L4)."""
-    base_pieces = None
-    if "base_pieces" in lossy:
-        base_pieces = tuple(records.Piece(table.add(replace(p["chunk"], new=False)), p["offset"], p["length"])
-                            for p in lossy["base_pieces"])
-    stored_shape = lossy.get("stored_shape")
-    return LossyInfo(codec=lossy["codec"], block=lossy.get("block"), stored_dtype=lossy.get("stored_dtype"),
-                     stored_shape=None if stored_shape is None else tuple(stored_shape),
-                     original_nbytes=lossy.get("original_nbytes"), error=lossy.get("error"),
-                     notes=tuple(lossy.get("notes", ())), parts=dict(lossy.get("parts", {})),
-                     base_step=lossy.get("base_step"), base_pieces=base_pieces, requested=lossy.get("requested"))
+def _lossy_info(record: ArrayRecord, table: _ChunkTable) -> LossyInfo | None:
+    """The record's lossy entry as the manifest holds it: a residual's keyframe copy is named in this manifest's
+    own chunk table, so its chunks stay live (DESIGN §12, L4)."""
+    if record.lossy is None or not record.keyframe_pieces:
+        return record.lossy
+    base_pieces = tuple(records.Piece(table.add(replace(p.chunk, new=False)), p.offset, p.length)
+                        for p in record.keyframe_pieces)
+    return replace(record.lossy, base_pieces=base_pieces)
 
 
 def commit(vault: Vault, step: int, manifest: Manifest, overwrite: bool, guard: ManifestGuard | None = None
@@ -113,7 +107,7 @@ def commit(vault: Vault, step: int, manifest: Manifest, overwrite: bool, guard: 
     chunk written early in a save longer than the grace period could be. A
     missing one fails the save with nothing committed; the save may be retried.
     First, ``guard`` touches the chunks the save reused untouched if a manifest
-    it relied on changed meanwhile (``guard.py``).
+    it relied on changed meanwhile (``_save/guard.py``).
     """
     if guard is not None:
         guard.ensure(vault.store, vault.pool)
@@ -137,7 +131,7 @@ def missing_chunks(vault: Vault, ids: list[str]) -> list[str]:
     """The chunks of ``ids`` the store does not hold now, in the order of ``ids``.
 
     Where asking for one is cheap (a local ``stat``) each is asked for. Where it is a request (S3: a HEAD,
-    about 1.3 ms of client CPU), the vault's chunk keys are listed instead (about 0.1 ms each) if the vault
+    which costs far more client CPU than a listed key), the vault's chunk keys are listed instead if the vault
     seems to hold fewer than ``LIST_PER_PROBE`` chunks per chunk checked (:func:`_chunk_count_estimate`). If
     the listing ends, a chunk it did not show is missing; if it runs to twice that many keys (the estimate was
     low), it stops and the chunks it did not show are asked for. A listed key and an answered probe say the

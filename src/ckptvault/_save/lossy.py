@@ -1,9 +1,9 @@
 """The lossy step of a save: runs in the background, between the snapshot and chunking.
 
 For every array whose rule names a lossy codec, the staged bytes are encoded
-(``lossy.encode_safely``), the error is measured, and the record's bytes are
+(``_codecs.lossy.encode_safely``), the error is measured, and the record's bytes are
 replaced by the stored representation: the primary part keeps the record
-(``stored_dtype``/``stored_shape`` in its ``lossy`` entry) and secondary parts
+(``stored_dtype``/``stored_shape`` in its :class:`LossyInfo`) and secondary parts
 (int8 block scales) become extra records of kind ``"part"`` after the tree's
 leaves. Deltas and chunking then work on what is actually stored, so a
 restore gives exactly what the manifest promises.
@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import math
 import threading
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -23,8 +23,8 @@ from .._arrays import empty_like_record, tensor_bytes, torch_dtype, torch_dtype_
 from .._codecs.lossy import (
     Alloc,
     Encoded,
+    LossySafety,
     LossySpec,
-    SafetyPolicy,
     applies_to,
     describe,
     encode_safely,
@@ -32,10 +32,10 @@ from .._codecs.lossy import (
     fresh,
     parse_codec,
 )
-from .._format.records import Manifest
+from .._format.records import LossyInfo, Manifest
 from .._parallel import map_all
 from .._vault import Vault
-from .snapshot import ArrayRecord, Snapshot
+from .snapshot import ArrayRecord, KeyframePiece, Snapshot
 
 log = logging.getLogger(__name__)
 
@@ -43,10 +43,10 @@ log = logging.getLogger(__name__)
 class LossyBuffers:
     """Output memory of lossy encodings, kept per record from one save to the next, like the staging buffer.
 
-    A cast into fresh memory runs at about 2 GB/s here (every page faults), into reused memory at about
-    14 GB/s. The memory kept is the size of the stored forms of the lossy records (at most half their
-    original bytes). Only one save may use the buffers at a time: the saver runs one save at a time, and
-    a save's snapshot views these buffers until its chunks are written.
+    A cast into fresh memory is several times slower than into reused memory, because every fresh page
+    faults (figures: docs/benchmarks/lossy.md). The memory kept is the size of the stored forms of the lossy
+    records (at most half their original bytes). Only one save may use the buffers at a time: the saver
+    runs one save at a time, and a save's snapshot views these buffers until its chunks are written.
     """
 
     def __init__(self) -> None:
@@ -80,7 +80,7 @@ class LossyBuffers:
         return sum(b.numel() for b in self._buffers.values())
 
 
-def apply_lossy(snapshot: Snapshot, policy: SafetyPolicy, default_lossless: str, vault: Vault,
+def apply_lossy(snapshot: Snapshot, policy: LossySafety, default_lossless: str, vault: Vault,
                 keyframe: Manifest | None, buffers: LossyBuffers | None = None) -> Snapshot:
     """Return a snapshot whose lossy-ruled records hold their encoded bytes (others unchanged).
 
@@ -91,7 +91,7 @@ def apply_lossy(snapshot: Snapshot, policy: SafetyPolicy, default_lossless: str,
     the pool, then assemble records in their original order.
     """
     records, views = list(snapshot.records), list(snapshot.views)
-    jobs: list[tuple[int, LossySpec, str, tuple[torch.Tensor, dict[str, Any]] | None]] = []
+    jobs: list[tuple[int, LossySpec, str, ResidualBase | None]] = []
     for index, record in enumerate(snapshot.records):
         spec, lossless = parse_codec(record.codec, default_lossless)
         if spec is None or record.kind != "torch" or not applies_to(spec, torch_dtype(record.dtype)):
@@ -107,7 +107,7 @@ def apply_lossy(snapshot: Snapshot, policy: SafetyPolicy, default_lossless: str,
         index, spec, _lossless, base_entry = job
         original = _as_tensor(records[index], views[index])
         alloc = fresh if buffers is None else buffers.allocator(records[index].path)
-        return encode_safely(records[index].path, original, spec, policy, base_entry[0] if base_entry else None, alloc)
+        return encode_safely(records[index].path, original, spec, policy, base_entry.value if base_entry else None, alloc)
 
     results = map_all(vault.pool, encode_one, jobs)
     if buffers is not None:
@@ -117,15 +117,18 @@ def apply_lossy(snapshot: Snapshot, policy: SafetyPolicy, default_lossless: str,
     for (index, spec, lossless, base_entry), (encoded, notes) in zip(jobs, results, strict=True):
         record = records[index]
         if encoded is None:
-            records[index] = replace(record, codec=lossless, lossy={"codec": "lossless", "requested": spec.name,
-                                                                    "notes": notes})
+            fallback = LossyInfo(codec="lossless", requested=spec.name, notes=tuple(notes))
+            records[index] = replace(record, codec=lossless, lossy=fallback)
             continue
         record, view, parts = _stored_form(record, encoded, lossless, notes, base_entry)
-        records[index], views[index] = record, view
+        indices = {}
         for name, (part_record, part_view) in parts.items():
-            record.lossy["parts"][name] = len(records) + len(extra_records)
+            indices[name] = len(records) + len(extra_records)
             extra_records.append(part_record)
             extra_views.append(part_view)
+        assert record.lossy is not None  # _stored_form always describes the stored form
+        records[index] = replace(record, lossy=replace(record.lossy, parts=indices))
+        views[index] = view
     return replace(snapshot, records=records + extra_records, views=views + extra_views)
 
 
@@ -136,18 +139,15 @@ def _as_tensor(record: ArrayRecord, view: memoryview) -> torch.Tensor:
 
 
 def _stored_form(record: ArrayRecord, encoded: Encoded, lossless: str, notes: list[str],
-                 base_entry: tuple[torch.Tensor, dict[str, Any]] | None
+                 base_entry: ResidualBase | None
                  ) -> tuple[ArrayRecord, memoryview, dict[str, tuple[ArrayRecord, memoryview]]]:
     primary = encoded.parts["q"]
-    lossy = {**describe(encoded.spec), "stored_dtype": torch_dtype_name(primary.dtype),
-             "stored_shape": list(primary.shape), "original_nbytes": record.nbytes,
-             "error": error_for_manifest(encoded.error), "parts": {}}
-    if notes:
-        lossy["notes"] = notes
-    if base_entry is not None:
-        lossy["base_step"], lossy["base_pieces"] = base_entry[1]["step"], base_entry[1]["pieces"]
+    lossy = LossyInfo(**describe(encoded.spec), stored_dtype=torch_dtype_name(primary.dtype),
+                      stored_shape=tuple(primary.shape), original_nbytes=record.nbytes,
+                      error=error_for_manifest(encoded.error), notes=tuple(notes),
+                      base_step=None if base_entry is None else base_entry.step)
     stored = replace(record, nbytes=primary.numel() * primary.dtype.itemsize, itemsize=primary.dtype.itemsize,
-                     codec=lossless, lossy=lossy)
+                     codec=lossless, lossy=lossy, keyframe_pieces=() if base_entry is None else base_entry.pieces)
     parts = {}
     for name, part in encoded.parts.items():
         if name == "q":
@@ -158,10 +158,17 @@ def _stored_form(record: ArrayRecord, encoded: Encoded, lossless: str, notes: li
     return stored, tensor_bytes(primary.contiguous()), parts
 
 
-def _residual_base(vault: Vault, keyframe: Manifest | None, record: ArrayRecord
-                   ) -> tuple[torch.Tensor, dict[str, Any]] | None:
-    """The keyframe's exact copy of this tensor and where it lives (its pieces, each naming the keyframe's
-    ChunkRef), if the keyframe stored it exactly."""
+@dataclass(frozen=True)
+class ResidualBase:
+    """The keyframe's exact copy of a tensor a residual is encoded against, its step, and where it lives."""
+
+    value: torch.Tensor
+    step: int
+    pieces: tuple[KeyframePiece, ...]
+
+
+def _residual_base(vault: Vault, keyframe: Manifest | None, record: ArrayRecord) -> ResidualBase | None:
+    """The keyframe's exact copy of this tensor, if the keyframe stored it exactly."""
     if keyframe is None:
         return None
     index = next((i for i, t in enumerate(keyframe.tensors) if t.path == record.path), None)
@@ -173,6 +180,5 @@ def _residual_base(vault: Vault, keyframe: Manifest | None, record: ArrayRecord
 
     value = empty_like_record("torch", entry.dtype, list(entry.shape))
     read_into(vault, keyframe, {index: writable_bytes(value)})
-    pieces = [{"chunk": keyframe.chunks[p.chunk], "offset": p.offset, "length": p.length} for p in entry.pieces]
-    return value, {"step": keyframe.step, "pieces": pieces}
-
+    pieces = tuple(KeyframePiece(keyframe.chunks[p.chunk], p.offset, p.length) for p in entry.pieces)
+    return ResidualBase(value, keyframe.step, pieces)

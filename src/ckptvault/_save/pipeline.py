@@ -30,12 +30,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from .._argcheck import check_kind
-from .._codecs.lossy import SafetyPolicy
+from .._codecs.lossy import LossySafety
 from .._delta.policy import DeltaPolicy, KeyframeCache, delta_context
 from .._vault import Vault
-from ..errors import InvalidArgumentError, SaveError, VaultError
+from ..errors import SaveError, VaultError
 from ..handle import SaveHandle
 from ..info import info_from_manifest
+from ..options import AsyncOptions
 from ..rules import CodecRules
 from .chunks import write_chunks
 from .commit import build_manifest, commit
@@ -46,7 +47,6 @@ from .staging import StagingBuffer
 log = logging.getLogger(__name__)
 
 Progress = Callable[[int], None]
-ON_BUSY = ("wait", "skip")
 
 
 @dataclass
@@ -62,21 +62,17 @@ class SaveRequest:
 class Saver:
     """Runs saves into one vault, in the background when ``async_save``."""
 
-    def __init__(self, vault: Vault, delta_policy: DeltaPolicy, *, async_save: bool = True, on_busy: str = "wait",
-                 max_staging_bytes: int | None = None, after_commit: Callable[[int], None] | None = None,
-                 safety: SafetyPolicy | None = None, cache_keyframe: bool | None = None) -> None:
-        if on_busy not in ON_BUSY:
-            raise InvalidArgumentError(f"on_busy must be one of {ON_BUSY}, got {on_busy!r}")
+    def __init__(self, vault: Vault, delta_policy: DeltaPolicy, *, async_save: bool = True,
+                 async_options: AsyncOptions | None = None, after_commit: Callable[[int], None] | None = None,
+                 safety: LossySafety | None = None, cache_keyframe: bool | None = None) -> None:
         check_kind("async_save", async_save, bool)
         check_kind("cache_keyframe", cache_keyframe, bool, type(None))
-        check_kind("max_staging_bytes", max_staging_bytes, int, type(None))
-        if max_staging_bytes is not None and max_staging_bytes < 0:
-            raise InvalidArgumentError(f"max_staging_bytes must be at least 0 (None: no cap), got {max_staging_bytes}")
+        async_options = async_options or AsyncOptions()
         self.vault, self.delta_policy = vault, delta_policy
-        self.async_save, self.on_busy = async_save, on_busy
-        self.max_staging_bytes = max_staging_bytes
+        self.async_save, self.on_busy = async_save, async_options.on_busy
+        self.max_staging_bytes = async_options.max_staging_bytes
         self.after_commit = after_commit
-        self.safety = safety or SafetyPolicy()
+        self.safety = safety or LossySafety()
         self._staging = StagingBuffer()
         self._lossy_buffers = LossyBuffers()  # with the staging buffer: asynchronous saves reuse their memory
         # None: keep it while saving asynchronously, where the staging buffer already holds a copy of the state

@@ -15,9 +15,20 @@ from typing import Any
 import torch
 
 from .._arrays import host_contiguous, ndarray_bytes, tensor_bytes, torch_dtype_name
+from .._format.records import ChunkRef, LossyInfo
 from .._tree import Leaf, Node, flatten
 from ..rules import CodecRules
 from .staging import StagingBuffer, aligned_offsets
+
+
+@dataclass(frozen=True)
+class KeyframePiece:
+    """A piece of the keyframe's exact copy a residual is stored against: the keyframe's chunk (by reference: this
+    save's manifest has not indexed its chunks yet), and where in it the bytes lie."""
+
+    chunk: ChunkRef
+    offset: int
+    length: int
 
 
 @dataclass
@@ -33,12 +44,16 @@ class ArrayRecord:
     codec: str
     requires_grad: bool = False
     device: str = "cpu"
-    lossy: dict[str, Any] | None = None  # set by lossy_stage: codec, stored dtype/shape, error, parts
+    #: set by the lossy step (``lossy.py``): the manifest's lossy entry, but for ``base_pieces``, which a residual
+    #: names in ``keyframe_pieces`` until the commit indexes them in its chunk table
+    lossy: LossyInfo | None = None
+    keyframe_pieces: tuple[KeyframePiece, ...] = ()
 
     @property
     def logical_nbytes(self) -> int:
         """Bytes of the array as the user holds it (before any lossy encoding)."""
-        return self.lossy.get("original_nbytes", self.nbytes) if self.lossy else self.nbytes
+        original = None if self.lossy is None else self.lossy.original_nbytes
+        return self.nbytes if original is None else original
 
 
 @dataclass

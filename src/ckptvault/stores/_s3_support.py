@@ -10,6 +10,7 @@ import io
 import ipaddress
 import itertools
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 from urllib.parse import urlsplit
@@ -40,9 +41,10 @@ RETRYABLE_CODES = {"SlowDown", "Throttling", "ThrottlingException", "RequestTime
 ARCHIVE_CLASSES = {"GLACIER", "DEEP_ARCHIVE", "ARCHIVE", "DEEP_ARCHIVE_ACCESS", "ARCHIVE_ACCESS"}
 
 
-@dataclass
+@dataclass(frozen=True)
 class S3Options:
-    """Every ``storage_options`` key an ``s3://`` URL accepts (see docs/STORAGE.md)."""
+    """The storage options of an ``s3://`` vault (``storage_options=S3Options(...)``, or the same keys in a dict;
+    see docs/STORAGE.md). Checked when made: a wrong type or value is an InvalidArgumentError naming the field."""
 
     endpoint_url: str | None = None        # any S3-compatible service; default: AWS (or AWS_ENDPOINT_URL[_S3])
     region_name: str | None = None         # default: AWS_REGION / AWS_DEFAULT_REGION / config file
@@ -67,38 +69,39 @@ class S3Options:
     check_lifecycle: bool = True           # on open, warn about lifecycle rules that could expire vault objects
     create_bucket: bool = False            # create the bucket on open if it does not exist
 
+    def __post_init__(self) -> None:
+        if self.addressing_style not in (None, "auto", "virtual", "path"):
+            raise InvalidArgumentError(f"addressing_style must be 'virtual', 'path' or 'auto', got {self.addressing_style!r}")
+        if self.retry_mode not in ("standard", "adaptive", "legacy"):
+            raise InvalidArgumentError(f"retry_mode must be 'standard' or 'adaptive', got {self.retry_mode!r}")
+        if not isinstance(self.sign_payloads, (bool, type(None))):
+            raise InvalidArgumentError(f"sign_payloads must be true, false or null (sign unless over verified https), got "
+                                       f"{self.sign_payloads!r}")
+        for f in fields(self):  # the rest: the type each field's annotation admits
+            check_kind(f"storage_options {f.name}", getattr(self, f.name), *_OPTION_TYPES[str(f.type)])
+        if self.multipart_chunksize < 5 * MiB or self.multipart_threshold < self.multipart_chunksize:
+            raise InvalidArgumentError("multipart_chunksize must be at least 5 MiB (S3's minimum part size) and "
+                                       "multipart_threshold at least multipart_chunksize")
+        if min(self.max_concurrency, self.max_attempts, self.workers, self.max_pool_connections) < 1:
+            raise InvalidArgumentError("workers, max_concurrency, max_attempts and max_pool_connections must be at least 1")
+        if self.connect_timeout <= 0 or self.read_timeout <= 0:
+            raise InvalidArgumentError(f"connect_timeout and read_timeout must be positive seconds, got "
+                                       f"{self.connect_timeout!r} and {self.read_timeout!r}")
+        if isinstance(self.verify, str) and not os.path.exists(self.verify):
+            raise InvalidArgumentError(f"storage_options verify names a CA bundle {self.verify!r} that does not exist: "
+                                       "give the path of a PEM file (or directory) of certificates, or true")
+        if self.endpoint_url is not None:
+            check_endpoint(self.endpoint_url, "storage_options endpoint_url")
+
     @classmethod
-    def from_dict(cls, options: dict[str, Any] | None) -> S3Options:
+    def from_dict(cls, options: Mapping[str, Any] | None) -> S3Options:
         """Options from a ``storage_options`` dict; unknown keys are an InvalidArgumentError naming the known ones."""
         options = dict(options or {})
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(options) - known)
         if unknown:
             raise InvalidArgumentError(f"unknown storage_options for s3:// URLs: {unknown}; known: {sorted(known)}")
-        opts = cls(**options)
-        if opts.addressing_style not in (None, "auto", "virtual", "path"):
-            raise InvalidArgumentError(f"addressing_style must be 'virtual', 'path' or 'auto', got {opts.addressing_style!r}")
-        if opts.retry_mode not in ("standard", "adaptive", "legacy"):
-            raise InvalidArgumentError(f"retry_mode must be 'standard' or 'adaptive', got {opts.retry_mode!r}")
-        if not isinstance(opts.sign_payloads, (bool, type(None))):
-            raise InvalidArgumentError(f"sign_payloads must be true, false or null (sign unless over verified https), got "
-                                       f"{opts.sign_payloads!r}")
-        for name, value in options.items():  # the rest: the type each field's annotation admits
-            check_kind(f"storage_options {name}", value, *_OPTION_TYPES[cls.__dataclass_fields__[name].type])
-        if opts.multipart_chunksize < 5 * MiB or opts.multipart_threshold < opts.multipart_chunksize:
-            raise InvalidArgumentError("multipart_chunksize must be at least 5 MiB (S3's minimum part size) and "
-                                       "multipart_threshold at least multipart_chunksize")
-        if min(opts.max_concurrency, opts.max_attempts, opts.workers, opts.max_pool_connections) < 1:
-            raise InvalidArgumentError("workers, max_concurrency, max_attempts and max_pool_connections must be at least 1")
-        if opts.connect_timeout <= 0 or opts.read_timeout <= 0:
-            raise InvalidArgumentError(f"connect_timeout and read_timeout must be positive seconds, got "
-                                       f"{opts.connect_timeout!r} and {opts.read_timeout!r}")
-        if isinstance(opts.verify, str) and not os.path.exists(opts.verify):
-            raise InvalidArgumentError(f"storage_options verify names a CA bundle {opts.verify!r} that does not exist: "
-                                       "give the path of a PEM file (or directory) of certificates, or true")
-        if opts.endpoint_url is not None:
-            check_endpoint(opts.endpoint_url, "storage_options endpoint_url")
-        return opts
+        return cls(**options)
 
 
 #: the types each annotation of S3Options admits (``check_kind`` takes no bool for a number)
@@ -148,7 +151,7 @@ class PayloadReader(io.RawIOBase):
     def seekable(self) -> bool:
         return True
 
-    def read(self, size: int | None = -1) -> memoryview:  # type: ignore[override]
+    def read(self, size: int | None = -1) -> memoryview:
         """Up to ``size`` bytes from the current position, within one buffer; empty at the end. A negative
         ``size`` reads to the end, as files do (a joined copy where the rest spans buffers)."""
         index = bisect.bisect_right(self._starts, self._position) - 1

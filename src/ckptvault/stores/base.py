@@ -26,6 +26,7 @@ Contract for implementations:
 from __future__ import annotations
 
 import abc
+import builtins
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -48,8 +49,13 @@ class Store(abc.ABC):
     #: human-readable location, used in error messages
     url: str
     #: whether :meth:`stat` is cheap next to sending an object (a local ``stat``, not a request): saves then
-    #: ask for every chunk before writing it (``save.PROBE_MISSES``)
+    #: ask for every chunk before writing it (``_save.chunks.PROBE_MISSES``)
     cheap_stat: bool = True
+    #: threads a vault should use for chunk I/O here; 0 leaves it to the vault (from the CPU count). A store whose
+    #: requests wait on the network (S3) asks for more threads than there are cores.
+    preferred_workers: int = 0
+    #: chunk size of new vaults here; 0 leaves it to the vault (4 MiB). ``CheckpointManager(chunk_size=)`` wins.
+    preferred_chunk_size: int = 0
 
     @abc.abstractmethod
     def get(self, key: str, max_size: int | None = None) -> bytes:
@@ -103,6 +109,12 @@ class Store(abc.ABC):
         which only deletes unreferenced objects older than a grace period, does
         not delete a chunk an uncommitted save is about to reference.
         """
+
+    def temp_files(self) -> builtins.list[ObjectInfo]:
+        """Leftover temporary objects of interrupted writes that :meth:`list` does not show, for garbage
+        collection to delete once they are older than its grace period. A store whose writes leave none (every
+        write is one atomic request) keeps this default: none."""
+        return []
 
     def write_batch(self) -> WriteBatch:
         """A :class:`WriteBatch` for many new objects (the default: each one durable when put)."""

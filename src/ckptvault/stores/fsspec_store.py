@@ -28,9 +28,10 @@ from __future__ import annotations
 import os
 import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from datetime import datetime
-from typing import Any
+from types import TracebackType
+from typing import Any, Literal
 
 from ..errors import InvalidArgumentError, ObjectNotFoundError, PermanentStorageError, StorageError
 from .base import ObjectInfo, Store, check_size
@@ -57,7 +58,7 @@ class FsspecStore(Store):
         self._local = _is_local(fs)
 
     @classmethod
-    def from_url(cls, url: str, storage_options: dict[str, Any] | None = None) -> FsspecStore:
+    def from_url(cls, url: str, storage_options: Mapping[str, Any] | None = None) -> FsspecStore:
         """A store for ``url`` (``fsspec+`` prefix optional); raises InvalidArgumentError if fsspec cannot serve it."""
         try:
             import fsspec
@@ -243,7 +244,8 @@ class _errors(_classified):
         super().__init__(what)
         self.url = url
 
-    def __exit__(self, exc_type, exc, tb) -> bool:  # type: ignore[no-untyped-def]
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> Literal[False]:  # never swallows: returns False or raises another error
         if exc is None or isinstance(exc, StorageError) or not isinstance(exc, Exception):
             return False
         if isinstance(exc, FileNotFoundError):

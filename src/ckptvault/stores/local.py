@@ -16,11 +16,10 @@ A save's chunks go through a :class:`LocalWriteBatch` on Linux: each is
 written to its temporary file without a sync, then at the end of the save one
 ``syncfs(2)`` makes all their data durable, each is linked into place, and a
 second ``syncfs`` makes the links durable. An object still appears under its
-final name only once its bytes are durable, and a save of 1 GB in 4 MiB chunks
-makes two file-system syncs instead of two per chunk (measured here: 160
-chunks written in 0.43 s every time, against 0.52-2.17 s with a sync each).
-``syncfs`` reports write-back errors since Linux 5.8; elsewhere (and on older
-kernels) chunks are synced one by one.
+final name only once its bytes are durable, and a save makes two file-system
+syncs instead of two per chunk (figures: docs/benchmarks/core.md). ``syncfs``
+reports write-back errors since Linux 5.8; elsewhere (and on older kernels)
+chunks are synced one by one.
 
 With ``direct_io`` (off by default) a batch writes each chunk with direct I/O
 (``O_DIRECT``): its whole 4 KiB blocks go from a page-aligned buffer of the
@@ -60,6 +59,7 @@ no check per chunk.
 
 from __future__ import annotations
 
+import builtins
 import ctypes
 import errno
 import logging
@@ -71,9 +71,11 @@ import sys
 import threading
 import uuid
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any
+from types import TracebackType
+from typing import Any, Literal
 
 from ..errors import (
     InvalidArgumentError,
@@ -96,8 +98,6 @@ DIRECT_ALIGN = 4096
 DIRECT_PIECE = 8 << 20
 #: with drop_behind, the newest bytes of a save's chunks that may stay cached while it writes
 DROP_BEHIND_WINDOW = 64 << 20
-#: the storage_options a local vault takes
-LOCAL_OPTIONS = ("direct_io", "drop_behind", "external_links")
 #: folders under the root whose links are checked when the store opens a vault (and each chunks/<xx>)
 KEY_FOLDERS = (TMP_DIR, "chunks", "manifests", "pins", "gc")
 #: how object files are opened for reading: a link on the file itself is never followed by open(2)
@@ -109,6 +109,48 @@ _UNLINK_AT = os.unlink in os.supports_dir_fd
 _UTIME_NOFOLLOW = os.utime in os.supports_follow_symlinks
 #: what external_links covers, for messages
 _LINKABLE = "tmp/, chunks/, chunks/<xx>/, manifests/, pins/ and gc/"
+
+
+@dataclass(frozen=True)
+class LocalOptions:
+    """The storage options of a local vault (``storage_options=LocalOptions(...)``, or the same keys in a dict).
+
+    ``direct_io``: how a save's chunks are written: False (the default) through the page cache, "auto" with
+    O_DIRECT on ext4 and XFS, True with O_DIRECT on any file system that accepts it (one that refuses fails the
+    save). ``drop_behind``: whether what the store writes leaves the page cache once it is on disk (module
+    docstring); None (the default) means wherever ``posix_fadvise`` exists, True requires it.
+    ``external_links``: whether the vault's key folders may be links leading outside its root
+    (:class:`LocalStore`).
+    """
+
+    direct_io: bool | str = False
+    drop_behind: bool | None = None
+    external_links: bool = False
+
+    def __post_init__(self) -> None:
+        direct_io, drop_behind, external_links = self.direct_io, self.drop_behind, self.external_links
+        if not (isinstance(direct_io, bool) or direct_io == "auto"):  # 1 and 0 are == True/False but not "is"
+            raise InvalidArgumentError(f"direct_io must be true, false or 'auto', got {direct_io!r}")
+        if direct_io is True and not hasattr(os, "O_DIRECT"):
+            raise InvalidArgumentError(f"direct_io=True needs O_DIRECT, which {sys.platform} does not have; "
+                                       "use direct_io='auto' or False")
+        if drop_behind is not None and not isinstance(drop_behind, bool):
+            raise InvalidArgumentError(f"drop_behind must be true or false, got {drop_behind!r}")
+        if drop_behind and not _CAN_DROP:
+            raise InvalidArgumentError(f"drop_behind=True needs posix_fadvise, which {sys.platform} does not have; "
+                                       "leave drop_behind unset or pass False")
+        if not isinstance(external_links, bool):
+            raise InvalidArgumentError(f"external_links must be true or false, got {external_links!r}")
+
+    @classmethod
+    def from_dict(cls, options: Mapping[str, Any] | None) -> LocalOptions:
+        """Options from a ``storage_options`` dict; unknown keys are an InvalidArgumentError naming the known ones."""
+        options = dict(options or {})
+        known = [f.name for f in fields(cls)]
+        unknown = sorted(set(options) - set(known))
+        if unknown:
+            raise InvalidArgumentError(f"unknown storage_options for local vaults: {unknown}; known: {known}")
+        return cls(**options)
 
 
 class LocalStore(Store):
@@ -131,18 +173,7 @@ class LocalStore(Store):
         cache once it is on disk (module docstring); None (the default) means wherever ``posix_fadvise``
         exists, True requires it. ``external_links``: whether key folders may be links leading outside the
         root (class docstring)."""
-        if not (isinstance(direct_io, bool) or direct_io == "auto"):  # 1 and 0 are == True/False but not "is"
-            raise InvalidArgumentError(f"direct_io must be true, false or 'auto', got {direct_io!r}")
-        if direct_io is True and not hasattr(os, "O_DIRECT"):
-            raise InvalidArgumentError(f"direct_io=True needs O_DIRECT, which {sys.platform} does not have; "
-                                       "use direct_io='auto' or False")
-        if drop_behind is not None and not isinstance(drop_behind, bool):
-            raise InvalidArgumentError(f"drop_behind must be true or false, got {drop_behind!r}")
-        if drop_behind and not _CAN_DROP:
-            raise InvalidArgumentError(f"drop_behind=True needs posix_fadvise, which {sys.platform} does not have; "
-                                       "leave drop_behind unset or pass False")
-        if not isinstance(external_links, bool):
-            raise InvalidArgumentError(f"external_links must be true or false, got {external_links!r}")
+        LocalOptions(direct_io, drop_behind, external_links)  # checks them
         self.root = Path(root).expanduser().absolute()
         self.url = str(self.root)
         self.direct_io = direct_io
@@ -157,14 +188,10 @@ class LocalStore(Store):
         self._safe_folders: set[str] = set()  # key folders ("chunks/ab") already found to resolve inside the vault
 
     @classmethod
-    def from_options(cls, root: str, options: dict | None) -> LocalStore:
-        """A store for ``root`` with ``storage_options`` (``direct_io``, ``drop_behind``, ``external_links``);
-        unknown keys are an error."""
-        options = dict(options or {})
-        unknown = sorted(set(options) - set(LOCAL_OPTIONS))
-        if unknown:
-            raise InvalidArgumentError(f"unknown storage_options for local vaults: {unknown}; known: {list(LOCAL_OPTIONS)}")
-        return cls(root, **options)
+    def from_options(cls, root: str, options: LocalOptions | Mapping[str, Any] | None) -> LocalStore:
+        """A store for ``root`` with its :class:`LocalOptions` (or a dict of them; unknown keys are an error)."""
+        opts = options if isinstance(options, LocalOptions) else LocalOptions.from_dict(options)
+        return cls(root, opts.direct_io, opts.drop_behind, opts.external_links)
 
     def writes_direct(self) -> bool:
         """Whether write batches use O_DIRECT here (decides on first call; the root must exist)."""
@@ -522,7 +549,7 @@ class LocalStore(Store):
             target, _ = self._lstat_object(key)
             os.utime(target, follow_symlinks=not _UTIME_NOFOLLOW)  # a link swapped in since the check: the link's own
 
-    def temp_files(self) -> list[ObjectInfo]:
+    def temp_files(self) -> builtins.list[ObjectInfo]:  # builtins.: in the class body, ``list`` is the method
         """Leftover temporary files of interrupted writes (invisible to :meth:`list`): the regular files in
         ``tmp/``; a folder or link there is nobody's temporary file."""
         with _classified(TMP_DIR):
@@ -551,7 +578,8 @@ class _classified:
     def __enter__(self) -> None:
         return None
 
-    def __exit__(self, exc_type, exc, tb) -> bool:  # type: ignore[no-untyped-def]
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> Literal[False]:  # never swallows: returns False or raises another error
         if exc is None or not isinstance(exc, OSError) or isinstance(exc, StorageError):
             return False
         if isinstance(exc, FileNotFoundError):

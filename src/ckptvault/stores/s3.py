@@ -29,6 +29,7 @@ way, and ckptvault never writes such chunks.
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import logging
 import os
@@ -62,11 +63,12 @@ PREFERRED_CHUNK_SIZE = 16 << 20
 
 
 class S3Store(Store):
-    """Objects under ``s3://bucket/prefix``; thread-safe. ``options`` are :class:`S3Options` fields."""
+    """Objects under ``s3://bucket/prefix``; thread-safe. ``options``: an :class:`S3Options`, or its fields as
+    keywords (``S3Store(url, endpoint_url=...)``), not both."""
 
-    cheap_stat = False  # a HEAD request: about 1 ms of client CPU and a round trip per chunk
+    cheap_stat = False  # a HEAD request: client CPU and a round trip per chunk
 
-    def __init__(self, url: str, **options: Any) -> None:
+    def __init__(self, url: str, options: S3Options | None = None, **settings: Any) -> None:
         try:
             import boto3  # noqa: F401
         except ImportError:
@@ -74,10 +76,13 @@ class S3Store(Store):
                 f"{url} needs boto3: pip install 'ckptvault[s3]' (or pip install boto3)") from None
         self.bucket, self.prefix = parse_s3_url(url)
         self.url = f"s3://{self.bucket}/{self.prefix}".rstrip("/")
-        self.options = S3Options.from_dict(options)
+        if options is not None and (settings or not isinstance(options, S3Options)):
+            raise InvalidArgumentError(f"S3Store takes an S3Options or its fields as keywords, not "
+                                       f"{type(options).__name__}{' and keywords' if settings else ''}")
+        self.options = options if options is not None else S3Options.from_dict(settings)
         self.preferred_workers = self.options.workers  # Vault sizes its thread pool by this (CheckpointManager(workers=) wins)
-        # new vaults here use 16 MiB chunks: on Ceph RGW fewer, larger objects saved 10-20% of a save's time
-        # (BENCHMARKS.md, issue 6); CheckpointManager(chunk_size=) wins
+        # new vaults here use 16 MiB chunks: fewer, larger objects mean fewer requests and index updates
+        # (figures: docs/benchmarks/object-storage.md); CheckpointManager(chunk_size=) wins
         self.preferred_chunk_size = PREFERRED_CHUNK_SIZE
         self.client = _make_client(self.options)
         self.endpoint = self.client.meta.endpoint_url
@@ -208,7 +213,8 @@ class S3Store(Store):
     def put(self, key: str, data: bytes | memoryview) -> None:
         self._put(self._key(key), [data])
 
-    def _put(self, full: str, parts: list[Any]) -> None:
+    # builtins.list below: in the class body, ``list`` is the method above
+    def _put(self, full: str, parts: builtins.list[Any]) -> None:
         body = PayloadReader(parts)
         if len(body) > self.options.multipart_threshold:
             self._multipart(full, body.flat())
@@ -218,7 +224,7 @@ class S3Store(Store):
     def put_if_absent(self, key: str, data: bytes | memoryview) -> bool:
         return self.put_parts_if_absent(key, [data])
 
-    def put_parts_if_absent(self, key: str, parts: list[Any]) -> bool:
+    def put_parts_if_absent(self, key: str, parts: builtins.list[Any]) -> bool:
         """Create-if-absent of the concatenation of ``parts``, sent as they lie (:class:`PayloadReader`):
         a chunk's header and encoded planes go out without being joined into one object first."""
         full = self._key(key)
@@ -311,7 +317,7 @@ class S3Store(Store):
                    MetadataDirective="REPLACE", Metadata={"ckptvault-touched": f"{time.time():.3f}"})
 
     # -- bucket -------------------------------------------------------------------
-    def check_lifecycle(self) -> list[str]:
+    def check_lifecycle(self) -> builtins.list[str]:
         """Warn (logging) about lifecycle rules that could expire or archive vault objects; return what was found.
 
         Raises PermanentStorageError if the bucket does not exist or the
@@ -368,7 +374,7 @@ class _BodyCut(RetryableStorageError):
 
 _SESSION_LOCK = threading.Lock()  # boto3 sessions are not thread-safe; clients are
 #: botocore's data loaders, one per AWS_DATA_PATH: every store's session shares it, so the service model and
-#: endpoint rules are read and parsed once per process (a fresh loader costs 50-200 ms of CPU per client here)
+#: endpoint rules are read and parsed once per process (a fresh loader parses them again for every client)
 _LOADERS: dict[str | None, Any] = {}
 
 
@@ -389,8 +395,8 @@ def _new_session(profile: str | None) -> Any:
 def _make_client(opts: S3Options) -> Any:
     """A boto3 S3 client for ``opts``.
 
-    Request bodies are signed (their SHA-256 goes into the SigV4 signature, about 0.6 ns of client CPU per byte
-    uploaded here) per ``opts.sign_payloads``; by default unless the endpoint is https with its certificate
+    Request bodies are signed (their SHA-256 goes into the SigV4 signature, client CPU per byte uploaded:
+    docs/benchmarks/object-storage.md) per ``opts.sign_payloads``; by default unless the endpoint is https with its certificate
     verified. There TLS already protects a body in transit, and every object ckptvault writes carries its own
     hash (a chunk's name, a manifest's checksum), checked on every read. botocore would sign there too, because
     the CRC checksum headers that would let it skip signing are off for the services below; so such a client

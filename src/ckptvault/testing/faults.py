@@ -17,6 +17,7 @@ what they injected in ``counts``.
 
 from __future__ import annotations
 
+import builtins
 import random
 import socket
 import struct
@@ -49,6 +50,7 @@ class FaultyStore(Store):
         self.inner, self.fail, self.stall, self.stall_s = inner, fail, stall, stall_s
         self.methods, self.keys, self.error = set(methods), keys, error
         self.url, self.cheap_stat = inner.url, inner.cheap_stat  # saves probe it as they would probe ``inner``
+        self.preferred_workers, self.preferred_chunk_size = inner.preferred_workers, inner.preferred_chunk_size
         self.enabled = True
         self.counts: Counter[str] = Counter()
         self._rng = random.Random(seed)
@@ -101,6 +103,9 @@ class FaultyStore(Store):
     def touch(self, key: str) -> None:
         self._maybe_fault("touch", key)
         self.inner.touch(key)
+
+    def temp_files(self) -> builtins.list[ObjectInfo]:  # builtins.: in the class body, ``list`` is the method above
+        return self.inner.temp_files()
 
     def close(self) -> None:
         self.inner.close()

@@ -26,6 +26,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -67,8 +68,8 @@ class StoreConformance:
         import numpy as np
 
         values = np.arange(1000, dtype=np.float32)
-        store.put("floats", memoryview(values))
-        store.put("slice", memoryview(values.view(np.uint8))[4:12])
+        store.put("floats", values.data)  # a memoryview of format "f"
+        store.put("slice", values.view(np.uint8).data[4:12])
         assert bytes(store.get("floats")) == values.tobytes()
         assert bytes(store.get("slice")) == values.tobytes()[4:12]
 
@@ -130,17 +131,19 @@ class StoreConformance:
 
     # -- put_if_absent --------------------------------------------------------------
     def test_put_if_absent(self, store: Store) -> None:
+        """Create-if-absent never replaces an object once written, whichever handle asks (DESIGN C1)."""
         assert store.put_if_absent("once", b"first") is True
         assert store.put_if_absent("once", b"second") is False
         assert self.make_peer(store).put_if_absent("once", b"third") is False
         assert bytes(store.get("once")) == b"first"
 
     def test_put_if_absent_has_exactly_one_winner(self, store: Store) -> None:
+        """Of concurrent create-if-absent writers of one key exactly one wins and the object holds its bytes (DESIGN C1)."""
         stores = [store] + [self.make_peer(store) for _ in range(self.concurrency - 1)]
         for round_ in range(5):
             key = f"race/{round_}"
             payloads = [f"writer {i} ".encode() * (1000 + i) for i in range(self.concurrency)]
-            results = _race([lambda i=i, k=key, p=payloads: stores[i].put_if_absent(k, p[i]) for i in range(self.concurrency)])
+            results = _race([partial(stores[i].put_if_absent, key, payloads[i]) for i in range(self.concurrency)])
             assert sum(results) == 1, f"round {round_}: {sum(results)} writers won"
             assert bytes(store.get(key)) == payloads[results.index(True)]
 
@@ -149,7 +152,7 @@ class StoreConformance:
             for j in range(10):
                 assert store.put_if_absent(f"many/{i}/{j}", bytes([i, j]) * 100)
 
-        _race([lambda i=i: write(i) for i in range(self.concurrency)])
+        _race([partial(write, i) for i in range(self.concurrency)])
         assert len(list(store.list("many/"))) == 10 * self.concurrency
         assert bytes(store.get("many/3/7")) == bytes([3, 7]) * 100
 
@@ -246,6 +249,18 @@ class StoreConformance:
         assert bytes(store.get_transient("transient/b")) == b"bb"  # a shorter object after a longer one
         with pytest.raises(ObjectNotFoundError):
             store.get_transient("transient/missing")
+
+    def test_capabilities_are_declared(self, store: Store) -> None:
+        """What a vault asks a store (its thread count, chunk size, probe cost, leftover temporaries) is part of
+        the interface, with values a vault can use as they are."""
+        assert type(store.cheap_stat) is bool
+        assert type(store.preferred_workers) is int and store.preferred_workers >= 0
+        size = store.preferred_chunk_size
+        assert type(size) is int and (size == 0 or 64 << 10 <= size <= 256 << 20)
+        store.put("captemp/a", b"x")
+        temps = store.temp_files()
+        assert isinstance(temps, list) and all(isinstance(i, ObjectInfo) for i in temps)
+        assert "captemp/a" not in {i.key for i in temps}  # a committed object is never a leftover temporary
 
 
 def _keys(infos: Any) -> set[str]:

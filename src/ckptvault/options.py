@@ -1,0 +1,103 @@
+"""Typed option objects: each groups the settings of one concern of :class:`~ckptvault.CheckpointManager`.
+
+``delta=DeltaOptions(...)`` (keyframes of incremental saves), ``async_options=AsyncOptions(...)`` (background
+saves), ``lossy_safety=LossySafety(...)`` (what to do with an unsafe lossy result), ``storage_options=`` a
+:class:`LocalOptions` or :class:`S3Options` (or a dict of the same keys), ``retention=`` a :class:`Retention`.
+Every object checks its values when made, so a wrong one fails where it is written, naming the field.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+from ._argcheck import check_kind
+from ._codecs.lossy import LossySafety
+from ._maintenance.retention import Retention
+from .errors import InvalidArgumentError
+from .stores import LocalOptions, S3Options, StorageOptions
+
+__all__ = ["AsyncOptions", "DeltaOptions", "LocalOptions", "LossySafety", "Retention", "S3Options", "StorageOptions"]
+
+#: what a save does while another is still in flight
+ON_BUSY = ("wait", "skip")
+
+
+@dataclass(frozen=True)
+class DeltaOptions:
+    """Keyframes of incremental saves (docs/DESIGN.md §6).
+
+    A keyframe (stored without deltas) is written every ``keyframe_every`` checkpoints, or when the previous
+    checkpoint added more than ``keyframe_growth`` x the keyframe's stored bytes; the checkpoints between store
+    changed chunks as deltas against it, so restoring any checkpoint reads at most one base chunk per chunk.
+    ``cache_keyframe`` keeps the high byte planes of the latest keyframe's chunks in host memory (half the state's
+    bytes for float32) so that delta saves encode against them instead of reading the keyframe back: ``None``
+    (the default) keeps it for asynchronous saves, whose staging copy is host memory already; ``True`` always;
+    ``False`` never. Figures: docs/benchmarks/incremental.md.
+    """
+
+    keyframe_every: int = 10
+    keyframe_growth: float = 0.9
+    cache_keyframe: bool | None = None
+
+    def __post_init__(self) -> None:
+        check_kind("keyframe_every", self.keyframe_every, int)
+        check_kind("keyframe_growth", self.keyframe_growth, int, float)
+        check_kind("cache_keyframe", self.cache_keyframe, bool, type(None))
+        if self.keyframe_every < 1:
+            raise InvalidArgumentError(f"keyframe_every must be >= 1, got {self.keyframe_every}")
+        if not 0 < self.keyframe_growth:
+            raise InvalidArgumentError(f"keyframe_growth must be > 0, got {self.keyframe_growth}")
+
+
+@dataclass(frozen=True)
+class AsyncOptions:
+    """Asynchronous saves (``async_save=True``, the default): the state is staged into a reusable host buffer
+    and written in the background.
+
+    ``max_staging_bytes`` caps that buffer (a larger state is saved synchronously; None: no cap). ``on_busy``
+    says what a save does while another is in flight: ``"wait"`` for it, or ``"skip"`` this one (it returns a
+    skipped handle and warns). Figures: docs/benchmarks/async.md.
+    """
+
+    on_busy: str = "wait"
+    max_staging_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.on_busy not in ON_BUSY:
+            raise InvalidArgumentError(f"on_busy must be one of {ON_BUSY}, got {self.on_busy!r}")
+        check_kind("max_staging_bytes", self.max_staging_bytes, int, type(None))
+        if self.max_staging_bytes is not None and self.max_staging_bytes < 0:
+            raise InvalidArgumentError(f"max_staging_bytes must be at least 0 (None: no cap), got {self.max_staging_bytes}")
+
+
+#: the flat keyword spellings of earlier versions -> (the option object's keyword, its field)
+FLAT_KEYWORDS = {
+    "keyframe_every": ("delta", "keyframe_every"), "keyframe_growth": ("delta", "keyframe_growth"),
+    "cache_keyframe": ("delta", "cache_keyframe"), "on_busy": ("async_options", "on_busy"),
+    "max_staging_bytes": ("async_options", "max_staging_bytes"), "on_unsafe": ("lossy_safety", "on_unsafe"),
+    "max_flushed": ("lossy_safety", "max_flushed"),
+}
+_GROUPS = {"delta": DeltaOptions, "async_options": AsyncOptions, "lossy_safety": LossySafety}
+
+
+def grouped(given: dict[str, Any], flat: dict[str, Any]) -> dict[str, Any]:
+    """The option objects ``given`` (keyword -> object or None), each defaulted, with the ``flat`` keywords folded
+    into theirs: ``keyframe_every=5`` is ``delta=DeltaOptions(keyframe_every=5)``.
+
+    A flat keyword this does not know is a TypeError, as for any function; one given together with its object is
+    an InvalidArgumentError (which should win is not clear)."""
+    unknown = sorted(set(flat) - set(FLAT_KEYWORDS))
+    if unknown:
+        raise TypeError(f"CheckpointManager() got an unexpected keyword argument {unknown[0]!r}"
+                        + (f" (and {unknown[1:]})" if len(unknown) > 1 else ""))
+    out: dict[str, Any] = {}
+    for name, cls in _GROUPS.items():
+        value = given.get(name)
+        check_kind(name, value, cls, type(None))
+        folded = {FLAT_KEYWORDS[k][1]: v for k, v in flat.items() if FLAT_KEYWORDS[k][0] == name}
+        if value is not None and folded:
+            raise InvalidArgumentError(f"{', '.join(sorted(folded))} and {name}= were both given: set "
+                                       f"{', '.join(sorted(folded))} inside {name}={cls.__name__}(...) only")
+        out[name] = replace(value or cls(), **folded) if folded else (value or cls())
+    return out
