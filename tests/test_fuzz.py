@@ -94,7 +94,7 @@ BASE_MANIFEST: dict[str, Any] = json.loads(manifest_body_bytes((BASE_DIR / MANIF
 BASE_DESCRIPTOR: dict[str, Any] = json.loads((BASE_DIR / DESCRIPTOR_KEY).read_bytes())
 CHUNK_IDS = [c["id"] for c in BASE_MANIFEST["chunks"]]
 KNOWN_STAGES = {"planes", "xplanes", "zstd", "lz4", "shuffle"}
-KNOWN_FEATURES = {"lossy", "xplanes"}
+KNOWN_FEATURES = {"lossy", "xplanes", "sharded"}
 #: most a chunk object of at most 64 KiB may make a decoder allocate (Python level)
 CHUNK_PEAK = 32 << 20
 #: most a manifest or vault.json of at most a few hundred KB may make a reader allocate (Python level)

@@ -27,11 +27,12 @@ import torch
 from ..errors import CorruptManifestError, FormatVersionError
 from . import FORMAT_VERSION
 from .records import ChunkRef, Descriptor, LossyInfo, Manifest, Piece, TensorRecord
+from .shards import check_boxes, check_sharding, check_shards_node
 
 MANIFEST_FORMAT = "ckptvault.manifest"
 VAULT_FORMAT = "ckptvault.vault"
 #: optional features a manifest may declare in "requires"; a reader refuses any it does not know
-KNOWN_FEATURES = frozenset({"lossy", "xplanes"})
+KNOWN_FEATURES = frozenset({"lossy", "xplanes", "sharded"})
 #: the only chunk hash of format version 1
 HASH_NAME = "blake3"
 #: chunk sizes a vault may declare: a multiple of 64 (every dtype's elements end on a chunk boundary) in this range
@@ -162,8 +163,9 @@ def check_manifest(body: Any, what: str, step: int | None = None, chunk_size: in
     for i, record in enumerate(tensors):
         if record.is_lossy:
             _check_parts(f, record, f"tensors[{i}].lossy.parts", tensors)
+    check_boxes(f, tensors)
     tree = f.required(body, "tree")
-    _check_tree(f, tree, tensors)
+    check_sharding(f, tensors, _check_tree(f, tree, tensors), requires)
     return Manifest(tree=tree, tensors=tensors, chunks=chunks, requires=requires, version=version, **header)
 
 
@@ -379,9 +381,10 @@ def _check_parts(f: _Fields, record: TensorRecord, at: str, tensors: tuple[Tenso
 
 # -- the tree -----------------------------------------------------------------
 
-def _check_tree(f: _Fields, tree: Any, tensors: tuple[TensorRecord, ...]) -> None:
+def _check_tree(f: _Fields, tree: Any, tensors: tuple[TensorRecord, ...]) -> set[int]:
     """Every node of the state's skeleton (docs/DESIGN.md section 4), at most MAX_DEPTH containers deep, walked
-    without recursion; leaf indices name records of the matching kind."""
+    without recursion; leaf indices name records of the matching kind. Returns the records shards nodes name."""
+    sharded: set[int] = set()
     stack: list[tuple[Any, str, int]] = [(tree, "tree", 0)]
     while stack:
         node, at, depth = stack.pop()
@@ -402,10 +405,13 @@ def _check_tree(f: _Fields, tree: Any, tensors: tuple[TensorRecord, ...]) -> Non
                               f"{at}.attrs._metadata", depth + 1))
         elif tag in ("list", "tuple"):
             stack.extend((child, f"{at}.{tag}[{i}]", depth + 1) for i, child in enumerate(f.list(body, f"{at}.{tag}")))
+        elif tag == "shards":
+            check_shards_node(f, body, f"{at}.shards", tensors, sharded)
         elif tag in _LEAF_KINDS:
             _check_leaf(f, tag, body, at, tensors)
         else:
             _check_scalar(f, tag, body, at)
+    return sharded
 
 
 def _node(f: _Fields, node: Any, at: str) -> tuple[str, Any]:
@@ -415,7 +421,7 @@ def _node(f: _Fields, node: Any, at: str) -> tuple[str, Any]:
     if len(tags) != 1 or ("attrs" in node and tags[0] not in ("dict", "odict")):
         f.fail(at, f"must be a node with one tag, not {_short(sorted(node))}")
     tag = tags[0]
-    if tag not in _LEAF_KINDS and tag not in _SCALAR_TAGS and tag not in ("dict", "odict", "list", "tuple"):
+    if tag not in _LEAF_KINDS and tag not in _SCALAR_TAGS and tag not in ("dict", "odict", "list", "tuple", "shards"):
         f.fail(at, f"has unknown node tag {_short(tag)}")  # version 1's tags are all known; new ones need `requires`
     return tag, node[tag]
 

@@ -1,0 +1,458 @@
+"""Reading checkpoints back: select tensors, fetch and verify chunks, scatter bytes.
+
+Every chunk read is decoded and checked against its BLAKE3 name before any of
+its bytes reach a caller's tensor. Chunks are fetched in parallel on the
+vault's pool; each is held in memory only while its bytes are copied out, so
+a restore needs the output tensors plus about one chunk per worker.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections import defaultdict
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import numpy as np
+import torch
+
+from .._arrays import empty_like_record, finish_ndarray, plain_cpu, tensor_bytes, torch_dtype, writable_bytes
+from .._codecs.lossy import DEFAULT_BLOCK, LossySpec, decode
+from .._format.records import LossyInfo, Manifest, Piece, TensorRecord
+from .._format.shards import box_of
+from .._parallel import map_all
+from .._tree import join_path, leaf_paths, unflatten
+from .._vault import Vault
+from ..errors import CorruptChunkError, InvalidArgumentError, KeyMismatchError, ObjectNotFoundError, PickleNotAllowedError
+from ..rules import any_match
+
+Progress = Callable[[int], None]
+
+
+#: where read_into writes: a record index, or ("base", index) for a residual's keyframe copy
+Dest = int | tuple[str, int]
+
+
+def read_into(vault: Vault, manifest: Manifest, dests: dict[Dest, memoryview | Callable[[], memoryview]],
+              progress: Progress | None = None, on_filled: Callable[[Dest], None] | None = None) -> None:
+    """Fill ``dests`` (record index -> writable byte view of its stored bytes) from the vault.
+
+    A key ``("base", i)`` reads the keyframe copy that residual record ``i`` is
+    relative to. A value may instead be a function that makes the view: it is
+    called once, just before the key's first byte is written.
+
+    With ``on_filled``, each key is removed from ``dests`` as soon as its last
+    byte is written and ``on_filled(key)`` is called, on the worker thread that
+    wrote it, while other chunks are still being read (keys with no bytes
+    first, on the calling thread); an error it raises fails the read like a bad
+    chunk.
+    """
+    tensors, chunks = manifest.tensors, manifest.chunks
+    jobs: dict[int, list[tuple[Dest, int, int, int]]] = defaultdict(list)
+    left: dict[Dest, int] = {}  # pieces of each key not yet written
+    for key in dests:
+        dest_offset = 0
+        pieces = _pieces(tensors, key)
+        for piece in pieces:
+            jobs[piece.chunk].append((key, dest_offset, piece.offset, piece.length))
+            dest_offset += piece.length
+        left[key] = len(pieces)
+    lock = threading.Lock()
+
+    def view_of(key: Dest) -> memoryview:
+        view = dests[key]
+        if not isinstance(view, memoryview):
+            with lock:
+                view = dests[key]
+                if not isinstance(view, memoryview):
+                    view = dests[key] = view()
+        return view
+
+    def filled(key: Dest) -> None:
+        del dests[key]  # the caller's buffer may be freed once on_filled let go of it
+        on_filled(key)  # type: ignore[misc]
+
+    def written(keys: list[Dest]) -> None:
+        with lock:
+            for key in keys:
+                left[key] -= 1
+            done = [key for key in dict.fromkeys(keys) if left[key] == 0]
+        for key in done:
+            filled(key)
+
+    def fetch(chunk: int) -> None:
+        cid = chunks[chunk].id
+        first_key = jobs[chunk][0][0]
+        first = tensors[first_key[1] if isinstance(first_key, tuple) else first_key].path
+        try:
+            raw = memoryview(vault.read_chunk(cid, expected_raw=chunks[chunk].raw)).cast("B")
+        except ObjectNotFoundError:
+            raise CorruptChunkError(cid, "the chunk object is missing", manifest.step, first) from None
+        except CorruptChunkError as exc:
+            raise CorruptChunkError(cid, exc.reason, manifest.step, first) from None
+        for index, dest_offset, offset, length in jobs[chunk]:
+            view_of(index)[dest_offset : dest_offset + length] = raw[offset : offset + length]
+        if progress:
+            progress(chunks[chunk].raw)
+        if on_filled:
+            written([index for index, *_ in jobs[chunk]])
+
+    if on_filled:
+        for key in [key for key, count in left.items() if count == 0]:
+            filled(key)
+    map_all(vault.pool, fetch, sorted(jobs))
+
+
+def _pieces(tensors: tuple[TensorRecord, ...], key: Dest) -> tuple[Piece, ...]:
+    if isinstance(key, tuple):
+        lossy = tensors[key[1]].lossy
+        assert lossy is not None and lossy.base_pieces is not None  # only residual records have a base key
+        return lossy.base_pieces
+    return tensors[key].pieces
+
+
+class LossyReads:
+    """Buffers to read lossy records into (stored form, parts, keyframe copy), and their decoding."""
+
+    def __init__(self, tensors: tuple[TensorRecord, ...], indices: Iterable[int]) -> None:
+        self.tensors = tensors
+        self.buffers: dict[Dest, torch.Tensor] = {}
+        for i in indices:
+            lossy = _lossy(tensors[i])
+            self.buffers[i] = torch.empty(lossy.stored_shape or (), dtype=torch_dtype(lossy.stored_dtype or ""))
+            for j in lossy.parts.values():
+                self.buffers[j] = torch.empty(tensors[j].shape, dtype=torch_dtype(tensors[j].dtype))
+            if lossy.base_pieces is not None:
+                self.buffers[("base", i)] = torch.empty(tensors[i].shape, dtype=torch_dtype(tensors[i].dtype))
+
+    def dests(self) -> dict[Dest, memoryview]:
+        return {key: tensor_bytes(buffer) for key, buffer in self.buffers.items()}
+
+    def decoded(self, i: int) -> torch.Tensor:
+        """Record ``i`` in its original dtype and shape (after the buffers were read)."""
+        record = self.tensors[i]
+        lossy = _lossy(record)
+        spec = LossySpec(lossy.codec, DEFAULT_BLOCK if lossy.block is None else lossy.block)
+        parts = {"q": self.buffers[i], **{name: self.buffers[j] for name, j in lossy.parts.items()}}
+        return decode(spec, parts, torch_dtype(record.dtype), list(record.shape), self.buffers.get(("base", i)))
+
+
+def _lossy(record: TensorRecord) -> LossyInfo:
+    assert record.lossy is not None  # a record LossyReads was given is lossy
+    return record.lossy
+
+
+def select(manifest: Manifest, keys: Iterable[str] | None) -> set[str] | None:
+    """Leaf key paths matching ``keys`` (None = everything). Raises if nothing matches."""
+    if keys is None:
+        return None
+    patterns = list(keys) if isinstance(keys, Iterable) and not isinstance(keys, str) else [keys]  # one, or a list
+    if not all(isinstance(p, str) for p in patterns):
+        raise InvalidArgumentError(f"keys must be a key path pattern or a list of them (such as 'model.*'), got {keys!r}")
+    paths = leaf_paths(manifest.tree)
+    chosen = {p for p in paths if any_match(p, patterns)}
+    if not chosen:
+        tops = sorted({p.split(".", 1)[0] for p in paths})
+        raise KeyMismatchError(f"no key path matches {patterns}; top-level keys are {tops[:20]}")
+    return chosen
+
+
+def restore_tree(vault: Vault, manifest: Manifest, keys: Iterable[str] | None, allow_pickle: bool,
+                 progress: Progress | None = None) -> Any:
+    """Rebuild the saved state (or the part ``keys`` selects) in new tensors and arrays."""
+    selected = select(manifest, keys)
+    if not allow_pickle:
+        _refuse_pickle(manifest.tree, selected)
+    needed = _leaf_indices(manifest.tree, selected)
+    tensors = manifest.tensors
+    lossy = LossyReads(tensors, [i for i in needed if tensors[i].is_lossy])
+    values = {i: empty_like_record(tensors[i].kind, tensors[i].dtype, list(tensors[i].shape))
+              for i in needed if i not in lossy.buffers}
+    dests: dict[Dest, memoryview | Callable[[], memoryview]] = {i: writable_bytes(v) for i, v in values.items()}
+    read_into(vault, manifest, {**dests, **lossy.dests()}, progress)
+    values.update({i: lossy.decoded(i) for i in needed if i in lossy.buffers})
+    values.update(read_sharded(vault, manifest, selected, progress))
+    finished = {i: _finish(tensors[i], v) for i, v in values.items()}
+    return unflatten(manifest.tree, finished, selected, allow_pickle)
+
+
+def read_sharded(vault: Vault, manifest: Manifest, selected: set[str] | None,
+                 progress: Progress | None = None) -> dict[int, torch.Tensor]:
+    """Each selected array stored as shards (a ``{"shards": [...]}`` node), whole, keyed by its first record.
+
+    The array is allocated from its ``global_shape``, which the schema matched against the elements its shards
+    hold (they tile it exactly: ``_format/shards.py``). A shard whose box is contiguous in it (cut along the first
+    dimension) is read in place; any other is read into a temporary, copied into its box as soon as it is filled."""
+    out: dict[int, torch.Tensor] = {}
+    dests: dict[Dest, memoryview | Callable[[], memoryview]] = {}
+    boxes: dict[Dest, torch.Tensor] = {}
+    temps: dict[Dest, torch.Tensor] = {}
+
+    def temp(index: int) -> memoryview:
+        record = manifest.tensors[index]
+        temps[index] = torch.empty(record.shape, dtype=torch_dtype(record.dtype))
+        return tensor_bytes(temps[index])
+
+    def copy_in(index: Dest) -> None:
+        if index in temps:
+            boxes[index].copy_(temps.pop(index))
+
+    for path, node in leaf_paths(manifest.tree).items():
+        if "shards" not in node or (selected is not None and path not in selected):
+            continue
+        first = manifest.tensors[node["shards"][0]]
+        whole = out[node["shards"][0]] = torch.empty(box_of(first)[0], dtype=torch_dtype(first.dtype))
+        for index in node["shards"]:
+            record = manifest.tensors[index]
+            box = whole[tuple(slice(o, o + n) for o, n in zip(box_of(record)[1], record.shape, strict=True))]
+            if box.is_contiguous():
+                dests[index] = tensor_bytes(box)
+            else:
+                boxes[index], dests[index] = box, functools.partial(temp, index)
+    read_into(vault, manifest, dests, progress, copy_in)
+    return out
+
+
+def _refuse_pickle(tree: dict[str, Any], selected: set[str] | None) -> None:
+    """Raise before any I/O if a selected leaf was saved with pickle."""
+    for path, node in leaf_paths(tree).items():
+        if "pickle" in node and (selected is None or path in selected):
+            raise PickleNotAllowedError(
+                f"key path {path!r} was saved with pickle; pass allow_pickle=True to load it "
+                "(only for checkpoints you trust: unpickling can run arbitrary code)"
+            )
+
+
+def restore_into(vault: Vault, manifest: Manifest, into: Any, strict: bool,
+                 progress: Progress | None = None) -> Any:
+    """Copy saved tensors into the tensors/arrays of ``into`` in place; returns ``into``.
+
+    The target decides what is read, as in torch.distributed.checkpoint: only
+    the tensors ``into`` names are read, and only their chunks fetched (a
+    packed chunk is fetched whole, small tensors it also holds included). Saved
+    entries it does not name (another subtree, or a sibling inside a subtree it
+    names) are neither read nor an error. ``into`` mirrors the saved tree from
+    its root, or one saved subtree (:func:`_mount_prefix`). A target tensor the
+    checkpoint lacks is a :class:`KeyMismatchError` when ``strict``; otherwise
+    it is skipped and left unchanged. A dtype or shape mismatch is always an
+    error; leaves of ``into`` that are not tensors or arrays are left alone.
+
+    Contiguous CPU targets are read into directly. Any other target (on a GPU,
+    strided, ...) is read into a host temporary, made when its first chunk is
+    read and copied into the target as soon as its last chunk is in, while
+    other chunks are still being read; the temporary is then reused for a later
+    target of the same dtype and shape (:class:`ThroughTemps`). So host memory
+    holds only the temporaries being filled, not a copy of the state.
+    """
+    targets = dict(_array_leaves(into))
+    saved = _saved_array_paths(manifest)
+    prefix = _mount_prefix(list(targets), saved, strict, manifest.step)
+    dests: dict[Dest, memoryview | Callable[[], memoryview]] = {}
+    temps = ThroughTemps()
+    lossy_targets: dict[int, Any] = {}
+    firsts: dict[int, Any] = {}
+    copies: list[tuple[Any, Any]] = []  # made after every read, in order: tied tensors' other key paths
+    for path, target in targets.items():
+        index = saved.get(join_path(prefix, path) if prefix else path)
+        if index is None:  # only when not strict: _mount_prefix raised otherwise
+            continue
+        target = target.detach() if isinstance(target, torch.Tensor) else target
+        record = manifest.tensors[index]
+        _check_target(record, path, target)
+        if index in firsts:  # another key path of a tied tensor (saved once): copied from the first after reading
+            if not _same_memory(target, firsts[index]):
+                copies.append((target, firsts[index]))
+            continue
+        if record.is_lossy:
+            lossy_targets[index] = target
+        elif (view := _direct_view(target)) is not None:
+            dests[index] = view
+        else:
+            dests[index] = temps.add(index, target, record)
+        firsts[index] = target
+    lossy = LossyReads(manifest.tensors, lossy_targets)
+    dests.update(lossy.dests())
+    read_into(vault, manifest, dests, progress, temps.copy_in)
+    for i, target in lossy_targets.items():
+        _copy(target, lossy.decoded(i))
+    for target, source in copies:
+        _copy(target, source)
+    return into
+
+
+class ThroughTemps:
+    """The ``into=`` targets read through host temporaries, and those temporaries.
+
+    A target's temporary is made when its first chunk is read (:meth:`add`
+    returns the function that makes it, for :func:`read_into`), copied into the
+    target once its last chunk is in (:meth:`copy_in`), and then reused for a
+    later target of the same kind, dtype and shape. Fresh memory costs a page
+    fault per 4 KiB when first written (figures: docs/benchmarks/gpu.md), and
+    the layers of a model repeat their shapes, so most temporaries are written
+    into pages already mapped. Thread-safe.
+    """
+
+    def __init__(self) -> None:
+        self._targets: dict[Dest, tuple[Any, tuple[str, str, tuple[int, ...]]]] = {}  # index -> (target, spec)
+        self._made: dict[Dest, Any] = {}  # index -> its temporary, once its first chunk is read
+        self._free: dict[tuple[str, str, tuple[int, ...]], list[Any]] = defaultdict(list)
+        self._lock = threading.Lock()
+
+    def add(self, index: Dest, target: Any, record: TensorRecord) -> Callable[[], memoryview]:
+        kind = "torch" if isinstance(target, torch.Tensor) else "numpy"
+        self._targets[index] = (target, (kind, record.dtype, record.shape))
+        return functools.partial(self._make, index)
+
+    def _make(self, index: Dest) -> memoryview:
+        spec = self._targets[index][1]
+        with self._lock:
+            temp = self._free[spec].pop() if self._free[spec] else None
+        if temp is None:
+            temp = empty_like_record(spec[0], spec[1], list(spec[2]))
+        self._made[index] = temp
+        return writable_bytes(temp)
+
+    def copy_in(self, key: Dest) -> None:
+        """Copy the filled temporary of ``key`` into its target (nothing for keys not added)."""
+        if key not in self._targets:
+            return
+        target, spec = self._targets.pop(key)
+        temp = self._made.pop(key, None)
+        if temp is None:  # an empty target: no chunk was read for it
+            return
+        _copy(target, temp)
+        with self._lock:
+            self._free[spec].append(temp)
+
+
+def _copy(target: Any, source: Any) -> None:
+    target.copy_(source) if isinstance(target, torch.Tensor) else np.copyto(target, source)
+
+
+def _saved_array_paths(manifest: Manifest) -> dict[str, int]:
+    """Key path -> record index of every saved array, tied aliases (one record, several paths) included."""
+    kinds = [t.kind for t in manifest.tensors]
+    out = {}
+    for path, node in leaf_paths(manifest.tree).items():
+        tag, index = next(iter(node.items()))
+        if tag in ("tensor", "ndarray") and kinds[index] != "pickle":
+            out[path] = index
+    return out
+
+
+def _same_memory(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return a.data_ptr() == b.data_ptr() and a.stride() == b.stride()
+    return False
+
+
+def _check_target(record: TensorRecord, path: str, target: Any) -> None:
+    shape, dtype = list(target.shape), _dtype_name(target)
+    if shape != list(record.shape) or dtype != record.dtype:
+        raise KeyMismatchError(
+            f"{path!r}: saved {record.dtype}{list(record.shape)}, target is {dtype}{shape}; "
+            "restore without into= and convert, or fix the target"
+        )
+
+
+def _direct_view(target: Any) -> memoryview | None:
+    """A writable view of the target's own bytes, if they are its values in C order on the host; else None."""
+    if isinstance(target, torch.Tensor):
+        return tensor_bytes(target) if plain_cpu(target) else None
+    if target.flags.c_contiguous and target.flags.writeable and target.dtype.byteorder != ">":
+        return writable_bytes(target)
+    return None
+
+
+def _dtype_name(value: Any) -> str:
+    return str(value.dtype).removeprefix("torch.") if isinstance(value, torch.Tensor) else value.dtype.str
+
+
+def _mount_prefix(paths: list[str], saved: dict[str, int], strict: bool, step: int) -> str:
+    """Where ``into`` sits in the saved tree: "" (the root) or the key path of one saved subtree.
+
+    The root if every target tensor is there, else the one subtree holding
+    them all (``into=model.state_dict()`` sits under ``model``). When not
+    ``strict``, target tensors the checkpoint lacks may be left out: the place
+    holding the most of them is taken. Raises :class:`KeyMismatchError` when
+    no place holds them all (``strict``) or any (not ``strict``), or when
+    several places fit equally.
+    """
+    if not paths or all(p in saved for p in paths):
+        return ""
+    found = _found_under(paths, saved)
+    fits = sorted(c for c, n in found.items() if n == len(paths))
+    if not fits and not strict and found:
+        most = max(found.values())
+        fits = sorted(c for c, n in found.items() if n == most)
+    if len(fits) == 1:
+        return fits[0]
+    if fits:
+        shown = [c or "<root>" for c in fits[:5]]
+        raise KeyMismatchError(
+            f"into= matches several places in the checkpoint of step {step}: {shown}; "
+            "pass a target that mirrors the saved tree from its root (e.g. {'model': model.state_dict()})"
+        )
+    if not found:
+        tops = sorted({s.split(".", 1)[0] for s in saved})
+        missing = [p for p in paths if p not in saved][:5]
+        raise KeyMismatchError(
+            f"into= tensors {missing} are not in the checkpoint of step {step}, at its root or under any one key "
+            f"(its top-level keys are {tops[:20]}); check the target's key paths, or restore without into= to see the saved tree"
+        )
+    best = max(found.values())
+    places = sorted(c for c, n in found.items() if n == best)
+    place = places[0]
+    missing = [p for p in paths if (join_path(place, p) if place else p) not in saved]
+    where = f"under {place!r}" if place else "at its root"
+    raise KeyMismatchError(
+        f"into= holds {len(missing)} tensors the checkpoint of step {step} does not ({where}): {missing[:5]}; "
+        "remove them from into=, or pass strict=False to skip them (they are left unchanged)"
+    )
+
+
+def _found_under(paths: list[str], saved: dict[str, int]) -> dict[str, int]:
+    """Saved subtree path ("" = the root) -> how many of ``paths`` are saved under it; places holding none are left out."""
+    wanted = set(paths)
+    found: dict[str, int] = defaultdict(int)
+    at_root = sum(p in saved for p in wanted)
+    if at_root:
+        found[""] = at_root
+    for s in saved:
+        dot = s.find(".")
+        while dot != -1:
+            if s[dot + 1 :] in wanted:
+                found[s[:dot]] += 1
+            dot = s.find(".", dot + 1)
+    return dict(found)
+
+
+def _array_leaves(value: Any, path: str = "") -> Iterable[tuple[str, Any]]:
+    if isinstance(value, (torch.Tensor, np.ndarray)):
+        yield path, value
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            yield from _array_leaves(v, join_path(path, k))
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            yield from _array_leaves(v, join_path(path, i))
+
+
+def _leaf_indices(tree: dict[str, Any], selected: set[str] | None) -> set[int]:
+    out = set()
+    for path, node in leaf_paths(tree).items():
+        tag = next(iter(node))
+        if tag in ("tensor", "ndarray", "npscalar", "pickle") and (selected is None or path in selected):
+            out.add(node[tag])
+    return out
+
+
+def _finish(record: TensorRecord, value: Any) -> Any:
+    if record.kind == "numpy":
+        return finish_ndarray(value, record.dtype)
+    if record.kind == "torch" and record.requires_grad:
+        return torch.nn.Parameter(value, requires_grad=True)
+    return value
+
+

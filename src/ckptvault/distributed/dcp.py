@@ -1,0 +1,470 @@
+"""torch.distributed.checkpoint (DCP) storage in a vault: :class:`VaultWriter` and :class:`VaultReader`.
+
+One line changes in a DCP script::
+
+    dcp.save(state, storage_writer=VaultWriter(url, step))
+    dcp.load(state, storage_reader=VaultReader(url, step))
+
+Every rank writes the chunks of its own items through the vault's chunk writer (content-addressed, compressed with
+the vault's codec, deduplicated against every chunk already stored, by any step or rank, and durable before
+``write_data`` returns); the coordinator then commits ONE manifest for all ranks, written last with
+create-if-absent (DESIGN M1, M2): until ``finish`` has written it the checkpoint does not exist, and a save that
+fails anywhere leaves only unreferenced chunks for ``gc``. Such a save may simply be run again. Tensors are stored
+as shard records (DESIGN section 4, "DCP checkpoints"); non-tensor values as ckptvault's JSON skeleton, never
+pickled unless ``allow_pickle``. DCP's metadata is rebuilt from the manifest on load, so nothing is pickled there
+either.
+
+Errors: DCP catches what a rank raises, and raises ``torch.distributed.checkpoint.api.CheckpointException`` on
+every rank, with the rank's exception in ``failures`` (rank -> (exception, traceback)). CheckpointException derives
+from BaseException, not Exception: catch it by name. The exceptions inside are ckptvault's typed errors (a
+:class:`~ckptvault.errors.SaveError` naming the rank and the cause for anything unexpected,
+:class:`~ckptvault.errors.StepExistsError`, :class:`~ckptvault.errors.UnsupportedObjectError` naming the key, storage
+errors, ...), picklable across ranks (``_portable.py``). A failure to read the manifest reaches DCP's loader as an
+``AssertionError("metadata is None; global metadata read failed: <the error>")``.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+from torch.distributed._shard._utils import narrow_tensor_by_index
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    LoadPlanner,
+    ReadItem,
+    SavePlan,
+    SavePlanner,
+    WriteItem,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
+from torch.futures import Future
+
+from .._argcheck import check_kind
+from .._arrays import (
+    empty_like_record,
+    finish_ndarray,
+    host_contiguous,
+    ndarray_bytes,
+    tensor_bytes,
+    torch_dtype_name,
+    writable_bytes,
+)
+from .._codecs import DEFAULT_CODEC, validate_codec_name
+from .._format import records
+from .._format.manifest import manifest_key
+from .._format.records import ChunkRef, Manifest, Node, TensorRecord
+from .._format.schema import check_manifest
+from .._restore.tensors import Dest, LossyReads, read_into
+from .._save.chunks import write_chunks
+from .._save.commit import check_step, commit, json_fields
+from .._save.snapshot import ArrayRecord, Snapshot
+from .._tree import Flattener, Leaf, leaf_paths, unflatten
+from .._vault import Vault
+from ..errors import (
+    CorruptDataError,
+    InvalidArgumentError,
+    PickleNotAllowedError,
+    SaveError,
+    StepExistsError,
+    UnsupportedObjectError,
+    VaultError,
+    VaultNotFoundError,
+)
+from ..stores import StorageOptions, Store
+from ._layout import Layout, Placement, build_manifest, dcp_layout, leaf_indices, renumber
+
+Url = str | os.PathLike[str] | Store
+#: bytes of shards a reader holds at once (more only when one shard is larger)
+READ_BATCH_BYTES = 256 << 20
+
+
+@dataclass(frozen=True)
+class _VaultPlan:
+    """What the coordinator tells every rank (``SavePlan.storage_data``): the step, and the vault it created."""
+
+    step: int
+    chunk_size: int
+    codec: str
+
+
+def _step_of(checkpoint_id: Any) -> int:
+    if type(checkpoint_id) is not int:
+        raise InvalidArgumentError(f"a vault's checkpoint_id is the step (an int), got {checkpoint_id!r}; the vault's "
+                                   "URL is given when the writer or reader is made")
+    return check_step(checkpoint_id)
+
+
+@contextmanager
+def _typed_errors(what: str) -> Iterator[None]:
+    """Let ckptvault's errors (and BaseExceptions that are not Exceptions) through; raise anything else as a
+    SaveError "``what``: Type: message" caused by it, so every rank's failure is typed (and picklable)."""
+    try:
+        yield
+    except VaultError:
+        raise
+    except Exception as exc:
+        raise SaveError(f"{what}: {type(exc).__name__}: {exc}") from exc
+
+
+class VaultWriter(StorageWriter):
+    """Save a DCP checkpoint as step ``step`` of the vault at ``url`` (a path, ``memory://``, ``s3://``... or a Store).
+
+    ``dcp.save(state, storage_writer=VaultWriter(url, step))`` on every rank (each with its own writer). DCP's call
+    order: ``reset`` (when ``dcp.save`` gets a ``checkpoint_id``: the step, an int), ``set_up_storage_writer``,
+    ``prepare_local_plan``, ``prepare_global_plan`` (coordinator: creates the vault with ``chunk_size`` and
+    ``codec`` if there is none, refuses a committed step unless ``overwrite``), ``write_data`` (every rank: its
+    chunks, durable on return), ``finish`` (coordinator, after every rank's write_data returned: the commit, atomic).
+    ``metrics`` and ``metadata`` are JSON objects for the manifest, as in ``CheckpointManager.save``. Non-tensor
+    values holding objects that need pickle are an UnsupportedObjectError naming the key unless ``allow_pickle``
+    (loading them then needs it too). A writer may be used for one save after another (``checkpoint_id=step``).
+    """
+
+    def __init__(self, url: Url, step: int, *, overwrite: bool = False, allow_pickle: bool = False,
+                 codec: str | None = None, chunk_size: int | None = None, storage_options: StorageOptions | None = None,
+                 workers: int | None = None, metrics: dict[str, Any] | None = None,
+                 metadata: dict[str, Any] | None = None) -> None:
+        super().__init__()
+        check_kind("overwrite", overwrite, bool)
+        check_kind("allow_pickle", allow_pickle, bool)
+        check_kind("codec", codec, str, type(None))
+        if codec is not None:
+            validate_codec_name(codec)
+        self.url, self.step, self.overwrite, self.allow_pickle = url, check_step(step), overwrite, allow_pickle
+        self.codec, self.chunk_size, self.storage_options, self.workers = codec, chunk_size, storage_options, workers
+        self.metrics, self.metadata = json_fields(metrics, "metrics"), json_fields(metadata, "metadata")
+        self.is_coordinator, self.rank = False, 0
+        self._vault: Vault | None = None
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        """False: DCP cannot pick a vault by itself (pass ``storage_writer=VaultWriter(url, step)``)."""
+        return False
+
+    def reset(self, checkpoint_id: Any = None) -> None:
+        """A new save: of step ``checkpoint_id`` if given (an int), else of the writer's step."""
+        self.close()
+        if checkpoint_id is not None:
+            self.step = _step_of(checkpoint_id)
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.is_coordinator, self.rank = is_coordinator, int(kwargs.get("rank", 0) or 0)
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        """Coordinator, before any rank writes: create the vault (once: create-if-absent, so a race is harmless)
+        and refuse a committed step unless ``overwrite`` (StepExistsError; the commit checks again)."""
+        with _typed_errors(f"step {self.step} could not be set up in {self.url}"):
+            vault = self._open()
+            desc = vault.descriptor() or vault.create(self.chunk_size, self.codec or DEFAULT_CODEC)
+            if not self.overwrite and vault.store.exists(manifest_key(self.step)):
+                raise StepExistsError(self.step, vault.url)
+        shared = _VaultPlan(self.step, desc.chunk_size, self.codec or desc.codec)
+        return [replace(plan, storage_data=shared) for plan in plans]
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        """Write this rank's items: tensors (``planner.resolve_data``) as shard records, values (through
+        ``planner.lookup_object``, never DCP's pickled stream) as tree nodes; every chunk durable on return. The
+        future is already done. Raises SaveError naming the rank for anything not ckptvault's."""
+        shared = plan.storage_data
+        try:
+            with _typed_errors(f"rank {self.rank} failed writing step {self.step}, nothing was committed"):
+                if not isinstance(shared, _VaultPlan):
+                    raise SaveError("the save plan was not made by VaultWriter.prepare_global_plan (use one "
+                                    "VaultWriter per rank, of the same vault)")
+                results = self._write(plan, planner, shared)
+        finally:
+            if not self.is_coordinator:
+                self.close()
+        future: Future[list[WriteResult]] = Future()
+        future.set_result(results)
+        return future
+
+    def _write(self, plan: SavePlan, planner: SavePlanner, shared: _VaultPlan) -> list[WriteResult]:
+        vault = self._open()
+        if vault.require().chunk_size != shared.chunk_size:
+            raise SaveError(f"the vault at {vault.url} has chunk size {vault.require().chunk_size}, the coordinator's "
+                            f"{shared.chunk_size}: are the ranks writing to different vaults?")
+        flattener = Flattener(self.allow_pickle)
+        nodes: list[Node] = []
+        for item in plan.items:
+            if item.type == WriteItemType.BYTE_IO:
+                nodes.append(flattener.flatten(self._value(item, planner), item.index.fqn))
+            else:
+                flattener.leaves.append(Leaf(item.index.fqn, "torch", _shard(item, planner.resolve_data(item))))
+                nodes.append({"shards": [len(flattener.leaves) - 1]})
+        leaves = flattener.leaves
+        arrays = [_array_record(leaf, shared.codec) for leaf in leaves]
+        views = [tensor_bytes(leaf.value) if leaf.kind == "torch" else ndarray_bytes(leaf.value) for leaf in leaves]
+        chunks, pieces = write_chunks(vault, Snapshot({"none": None}, arrays, views, self.allow_pickle))
+        table = tuple(ChunkRef(c.id, c.raw, c.stored, c.new, c.base) for c in chunks)
+        out = []
+        for item, node in zip(plan.items, nodes, strict=True):
+            placement = _placement(item, node, arrays, pieces, table)
+            out.append(WriteResult(item.index, sum(r.nbytes for r in placement.records), placement))
+        return out
+
+    def _value(self, item: WriteItem, planner: SavePlanner) -> Any:
+        """The value of a BYTE_IO item: the object itself where the planner offers ``lookup_object`` (DCP's
+        default planner does), else DCP's torch.save stream, loaded only with ``allow_pickle``."""
+        lookup = getattr(planner, "lookup_object", None)
+        if lookup is not None:
+            return lookup(item.index)
+        stream = planner.resolve_data(item)
+        if not isinstance(stream, io.BytesIO):
+            raise SaveError(f"the planner resolved the value of {item.index.fqn!r} to a {type(stream).__name__}")
+        if not self.allow_pickle:
+            raise UnsupportedObjectError(item.index.fqn, stream, "This planner hands non-tensor values over only as "
+                                         "torch.save streams (pickle); use VaultSavePlanner or DCP's default planner.")
+        stream.seek(0)
+        return torch.load(stream, weights_only=False)
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        """Coordinator, after every rank's write_data: build ONE manifest of every rank's items, check it as a
+        reader would, and commit it (create-if-absent; StepExistsError if the step was committed meanwhile unless
+        ``overwrite``). Atomic: the checkpoint exists afterwards, or not at all."""
+        try:
+            with _typed_errors(f"the commit of step {self.step} failed, nothing committed"):
+                self._commit(metadata, results)
+        finally:
+            self.close()
+
+    def _commit(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        vault = self._open()
+        placements: dict[MetadataIndex, Placement] = {}
+        for result in (r for rank in results for r in rank):
+            if not isinstance(result.storage_data, Placement):
+                raise SaveError(f"the result of {result.index.fqn!r} was not written by VaultWriter")
+            placements[result.index] = result.storage_data
+        manifest = build_manifest(self.step, placements, metadata, self.metrics, self.metadata)
+        _check_before_commit(manifest, vault)
+        commit(vault, self.step, manifest, self.overwrite)
+
+    def _open(self) -> Vault:
+        if self._vault is None:
+            self._vault = Vault(self.url, self.storage_options, self.workers)
+        return self._vault
+
+    def close(self) -> None:
+        """Release the vault's threads (DCP's calls reopen it as needed)."""
+        if self._vault is not None:
+            vault, self._vault = self._vault, None
+            vault.close()
+
+
+def _shard(item: WriteItem, value: Any) -> torch.Tensor:
+    """The host bytes of a tensor item, checked against the box DCP planned for it."""
+    if not isinstance(value, torch.Tensor) or item.tensor_data is None:
+        raise SaveError(f"the planner resolved {item.index.fqn!r} to a {type(value).__name__}, not a tensor")
+    tensor = host_contiguous(value)
+    if tuple(tensor.shape) != tuple(item.tensor_data.chunk.sizes) or tensor.dtype != item.tensor_data.properties.dtype:
+        raise SaveError(f"{item.index.fqn!r} resolved to {tensor.dtype}{list(tensor.shape)}, but DCP planned "
+                        f"{item.tensor_data.properties.dtype}{list(item.tensor_data.chunk.sizes)}")
+    return tensor
+
+
+def _array_record(leaf: Leaf, codec: str) -> ArrayRecord:
+    value = leaf.value
+    if leaf.kind == "torch":
+        return ArrayRecord(leaf.path, "torch", torch_dtype_name(value.dtype), list(value.shape),
+                           value.numel() * value.dtype.itemsize, value.dtype.itemsize, codec)
+    return ArrayRecord(leaf.path, leaf.kind, value.dtype.str, list(value.shape), value.nbytes, value.dtype.itemsize, codec)
+
+
+def _placement(item: WriteItem, node: Node, arrays: list[ArrayRecord], pieces: list[list[Any]],
+               table: tuple[ChunkRef, ...]) -> Placement:
+    """The records and chunks of one item, numbered from 0 within it (``finish`` renumbers them)."""
+    leaves = leaf_indices(node)
+    chunks: dict[int, int] = {}
+    out = []
+    for leaf in leaves:
+        array = arrays[leaf]
+        mine = tuple(records.Piece(chunks.setdefault(p.chunk, len(chunks)), p.offset, p.length) for p in pieces[leaf])
+        box: dict[str, Any] = {}
+        if item.tensor_data is not None:
+            box = {"global_shape": tuple(item.tensor_data.size), "offsets": tuple(item.tensor_data.chunk.offsets)}
+        out.append(TensorRecord(path=array.path, kind=array.kind, dtype=array.dtype, shape=tuple(array.shape),
+                                nbytes=array.nbytes, codec=array.codec, pieces=mine, **box))
+    used = sorted(chunks, key=chunks.__getitem__)
+    return Placement(renumber(node, {leaf: i for i, leaf in enumerate(leaves)}), tuple(out),
+                     tuple(table[c] for c in used))
+
+
+def _check_before_commit(manifest: Manifest, vault: Vault) -> None:
+    """Refuse to commit what a reader would refuse (SaveError naming the field): a writer bug must not commit."""
+    what = f"the manifest of step {manifest.step}"
+    try:
+        check_manifest(manifest.to_json(), what, manifest.step, vault.require().chunk_size)
+    except CorruptDataError as exc:
+        raise SaveError(f"{exc}; nothing was committed") from exc
+
+
+class VaultReader(StorageReader):
+    """Load step ``step`` (default: the latest) of the vault at ``url`` with DCP, at any world size.
+
+    ``dcp.load(state, storage_reader=VaultReader(url, step))`` on every rank. Reads a checkpoint VaultWriter saved,
+    or one ``CheckpointManager.save`` saved (its tensors at DCP's keys, its other values as values). DCP's call
+    order: ``reset`` (``checkpoint_id``: the step), ``read_metadata`` (the manifest, checked; DCP's Metadata rebuilt
+    from it, nothing unpickled), ``set_up_storage_reader``, ``prepare_local_plan``, ``prepare_global_plan``,
+    ``read_data``. DCP's planner intersects the saved boxes with the loading rank's; ``read_data`` reads just the
+    shards its items need, verifying every chunk, and copies each intersection into place. Values stored with
+    pickle are loaded only with ``allow_pickle`` (else PickleNotAllowedError naming the key, before any read).
+    """
+
+    def __init__(self, url: Url, step: int | None = None, *, allow_pickle: bool = False,
+                 storage_options: StorageOptions | None = None, workers: int | None = None) -> None:
+        super().__init__()
+        check_kind("allow_pickle", allow_pickle, bool)
+        self.url, self.step, self.allow_pickle = url, None if step is None else check_step(step), allow_pickle
+        self.storage_options, self.workers = storage_options, workers
+        self._vault: Vault | None = None
+        self._manifest: Manifest | None = None
+        self._layout: Layout | None = None
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        """False: DCP cannot pick a vault by itself (pass ``storage_reader=VaultReader(url, step)``)."""
+        return False
+
+    def reset(self, checkpoint_id: Any = None) -> None:
+        """A new load: of step ``checkpoint_id`` if given (an int), else of the reader's step."""
+        self.close()
+        self._manifest = self._layout = None
+        if checkpoint_id is not None:
+            self.step = _step_of(checkpoint_id)
+
+    def read_metadata(self) -> Metadata:
+        """DCP's Metadata of the step, from its verified manifest (``_layout.dcp_layout``)."""
+        vault = self._open()
+        step = self.step
+        if step is None:
+            steps = vault.steps()
+            if not steps:
+                vault.require()
+                raise VaultNotFoundError(f"the vault at {vault.url} has no committed checkpoint")
+            step = steps[-1]
+        self._manifest = vault.read_manifest(step)
+        self._layout = dcp_layout(self._manifest)
+        return self._layout.metadata
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        if self._layout is None:
+            self.read_metadata()
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        """Read this rank's items: each tensor item's shard (whole, verified) narrowed to ``storage_offsets`` and
+        ``lengths`` and copied into ``planner.resolve_tensor``'s target, then ``planner.commit_tensor``; each value
+        decoded from its tree node and handed over unpickled (``load_value``) or, to a planner without it, as a
+        torch.save stream made here. The future is already done."""
+        assert self._manifest is not None and self._layout is not None, "read_metadata() comes first"
+        manifest, layout = self._manifest, self._layout
+        storage: dict[MetadataIndex, int] = layout.metadata.storage_data
+        by_record: dict[int, list[ReadItem]] = defaultdict(list)
+        values = []
+        for item in plan.items:
+            if item.type == LoadItemType.BYTE_IO:
+                self._refuse_pickle(item.storage_index.fqn, layout.values[item.storage_index.fqn])
+                values.append(item)
+            else:
+                by_record[storage[item.storage_index]].append(item)
+        for batch in _batches(manifest, list(by_record)):
+            shards = _read_records(self._open(), manifest, batch)
+            for index in batch:
+                for item in by_record[index]:
+                    _copy_into(planner, item, shards[index])
+        for item in values:
+            _hand_over(planner, item, self._value(layout.values[item.storage_index.fqn]))
+        future: Future[None] = Future()
+        future.set_result(None)
+        return future
+
+    def _refuse_pickle(self, fqn: str, node: Node) -> None:
+        if self.allow_pickle:
+            return
+        for path, leaf in leaf_paths(node, fqn).items():
+            if "pickle" in leaf:
+                raise PickleNotAllowedError(f"key {path!r} was saved with pickle; pass allow_pickle=True to "
+                                            "VaultReader to load it (only for checkpoints you trust)")
+
+    def _value(self, node: Node) -> Any:
+        assert self._manifest is not None
+        indices = leaf_indices(node)
+        arrays = _read_records(self._open(), self._manifest, indices) if indices else {}
+        return unflatten(node, arrays, allow_pickle=self.allow_pickle)
+
+    def _open(self) -> Vault:
+        if self._vault is None:
+            self._vault = Vault(self.url, self.storage_options, self.workers)
+        return self._vault
+
+    def close(self) -> None:
+        """Release the vault's threads (the next call reopens it)."""
+        if self._vault is not None:
+            vault, self._vault = self._vault, None
+            vault.close()
+
+
+def _batches(manifest: Manifest, indices: list[int]) -> list[list[int]]:
+    """``indices`` in groups of about READ_BATCH_BYTES (a larger record alone)."""
+    out: list[list[int]] = []
+    size = 0
+    for index in sorted(indices):
+        nbytes = manifest.tensors[index].restored_nbytes
+        if not out or size + nbytes > READ_BATCH_BYTES:
+            out.append([])
+            size = 0
+        out[-1].append(index)
+        size += nbytes
+    return out
+
+
+def _read_records(vault: Vault, manifest: Manifest, indices: list[int]) -> dict[int, Any]:
+    """Records ``indices`` read whole into new arrays, every chunk verified (``_restore.read_into``)."""
+    tensors = manifest.tensors
+    lossy = LossyReads(tensors, [i for i in indices if tensors[i].is_lossy])
+    values = {i: empty_like_record(tensors[i].kind, tensors[i].dtype, list(tensors[i].shape))
+              for i in indices if i not in lossy.buffers}
+    dests: dict[Dest, Any] = {i: writable_bytes(v) for i, v in values.items()}
+    read_into(vault, manifest, {**dests, **lossy.dests()})
+    values.update({i: lossy.decoded(i) for i in indices if i in lossy.buffers})
+    return {i: finish_ndarray(v, tensors[i].dtype) if tensors[i].kind == "numpy" else v for i, v in values.items()}
+
+
+def _copy_into(planner: LoadPlanner, item: ReadItem, shard: torch.Tensor) -> None:
+    source = narrow_tensor_by_index(shard, item.storage_offsets, item.lengths)
+    target = planner.resolve_tensor(item).detach()
+    if target.size() != source.size():
+        raise CorruptDataError(f"{item.dest_index.fqn!r}: the target box is {list(target.size())}, the stored box "
+                               f"{list(source.size())}")
+    target.copy_(source)
+    planner.commit_tensor(item, target)
+
+
+def _hand_over(planner: LoadPlanner, item: ReadItem, value: Any) -> None:
+    """``value`` to the planner: as it is where the planner takes values (VaultLoadPlanner), else as a torch.save
+    stream of it, which DCP's default planner loads (ckptvault's own bytes: nothing of the vault is unpickled)."""
+    load_value = getattr(planner, "load_value", None)
+    if load_value is not None:
+        load_value(item, value)
+        return
+    stream = io.BytesIO()
+    torch.save(value, stream)
+    stream.seek(0)
+    planner.load_bytes(item, stream)
