@@ -103,7 +103,7 @@ def test_ls_prints_one_row_per_step(built_vault: Path) -> None:
     proc = cli("ls", built_vault)
     assert proc.returncode == 0, proc.stderr
     header, *rows = proc.stdout.strip().splitlines()
-    assert header.split() == ["STEP", "TIME", "LOGICAL", "STORED", "ADDED", "RATIO", "METRICS"]
+    assert header.split() == ["STEP", "TIME", "LOGICAL", "STORED", "ADDED", "COMPRESSION", "KEPT", "METRICS"]
     assert [int(r.split()[0]) for r in rows] == list(STEPS)
     assert all("loss=" in r and "lr=0.01" in r for r in rows)
     assert proc.stderr == ""
@@ -135,6 +135,7 @@ def test_ls_json_matches_library_info(built_vault: Path) -> None:
             info.logical_bytes, info.stored_bytes, info.added_bytes)
         assert row["metrics"] == info.metrics and row["metadata"] == {"run": "cli-test"}
         assert row["ratio"] == pytest.approx(info.stored_bytes / info.logical_bytes)
+        assert row["compression"] == pytest.approx(info.logical_bytes / info.stored_bytes)
     # the frozen tensor's chunks are shared, so later checkpoints add less than they reference
     assert out["checkpoints"][1]["added_bytes"] < out["checkpoints"][1]["stored_bytes"]
 

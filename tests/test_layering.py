@@ -15,12 +15,12 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "src" / "ckptvault"
 #: root modules every layer may use: they import nothing of the package but each other
-SHARED = {"errors", "_argcheck", "_version"}
+SHARED = {"errors", "_argcheck", "_version", "_warn"}
 #: layer -> the layers (package folders) it may import besides itself and SHARED
 LOWER_LAYERS = {"_codecs": set(), "stores": set(), "_format": {"_codecs"}, "testing": {"stores"}}
 #: the pipelines, and the user-facing layer above them that they never import ("" is the package's __init__)
 PIPELINES = ("_save", "_delta", "_restore", "_maintenance", "_reports", "_vault")
-USER_FACING = {"", "manager", "cli", "demo"}
+USER_FACING = {"", "manager", "cli", "demo", "distributed"}
 
 
 def _module(path: Path) -> str:

@@ -26,7 +26,7 @@ from ckptvault import CheckpointManager
 from ckptvault._codecs import lossy, lossy_kernels
 from ckptvault._maintenance.gc import collect
 from ckptvault._reports.diff import diff_steps
-from ckptvault._restore import read_into
+from ckptvault._restore.tensors import read_into
 from ckptvault._save.lossy import LossyBuffers
 from ckptvault._tree import leaf_paths
 from ckptvault.demo.data import batch, stdlib_bytes

@@ -196,7 +196,7 @@ def test_the_package_root_holds_about_a_dozen_modules_and_internals_are_undersco
     root = Path(ckptvault.__file__).parent
     modules = sorted(p.stem for p in root.glob("*.py"))
     assert len(modules) <= 16, modules
-    public = {"__init__", "__main__", "errors", "handle", "info", "manager", "options", "rules"}
+    public = {"__init__", "__main__", "errors", "handle", "info", "manager", "options", "rng", "rules"}
     assert {m for m in modules if not m.startswith("_")} <= public
     packages = {p.name for p in root.iterdir() if (p / "__init__.py").exists()}
-    assert {p for p in packages if not p.startswith("_")} == {"cli", "demo", "stores", "testing"}
+    assert {p for p in packages if not p.startswith("_")} == {"cli", "demo", "distributed", "stores", "testing"}

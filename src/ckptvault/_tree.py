@@ -7,6 +7,7 @@ a state round-trips without pickle:
 Python value                    skeleton node
 ==============================  ==============================================
 dict / OrderedDict              ``{"dict": [[key, node], ...]}`` / ``{"odict": ...}``
+other dict subclasses           as dict (an OrderedDict subclass as odict), with a warning; pickled if allowed
 list / tuple                    ``{"list": [...]}`` / ``{"tuple": [...]}``
 torch.Tensor                    ``{"tensor": i}``: ``i`` indexes the leaf list
 numpy.ndarray / numpy scalar    ``{"ndarray": i}`` / ``{"npscalar": i}``
@@ -37,6 +38,7 @@ import numpy as np
 import torch
 
 from ._format.schema import MAX_DEPTH
+from ._warn import warn_at_caller
 from .errors import InvalidArgumentError, PickleNotAllowedError, UnsupportedObjectError
 
 Node = dict[str, Any]
@@ -88,6 +90,9 @@ class Flattener:
             return self._ndarray(value, path)
         if isinstance(value, np.generic) and value.dtype.kind in NUMPY_KINDS:
             return {"npscalar": self._ndarray(np.asarray(value), path)["ndarray"]}
+        if isinstance(value, dict) and not self.allow_pickle:  # defaultdict, Lightning's AttributeDict, ...
+            _warn_dict_subclass(kind, path)
+            return self._container(value, path)
         return self._fallback(value, path)
 
     def _container(self, value: Any, path: str) -> Node:
@@ -110,7 +115,7 @@ class Flattener:
             if type(k) not in (str, int, bool, float) and k is not None:
                 raise UnsupportedObjectError(join_path(path, k), k, "Dict keys must be str, int, float, bool or None.")
             items.append([self.flatten(k, path), self.flatten(v, join_path(path, k))])
-        node: Node = {"odict" if type(value) is collections.OrderedDict else "dict": items}
+        node: Node = {"odict" if isinstance(value, collections.OrderedDict) else "dict": items}
         attrs = getattr(value, "_metadata", None)
         if attrs is not None:
             try:
@@ -144,6 +149,22 @@ class Flattener:
         data = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
         self.leaves.append(Leaf(path, "pickle", np.frombuffer(data, dtype=np.uint8)))
         return {"pickle": len(self.leaves) - 1}
+
+
+_warned_dict_types: set[type] = set()
+
+
+def _warn_dict_subclass(kind: type, path: str) -> None:
+    """Once per type and process: a dict subclass is stored as its items, so it restores as a plain dict."""
+    if kind in _warned_dict_types:
+        return
+    _warned_dict_types.add(kind)
+    name = f"{kind.__module__}.{kind.__qualname__}"
+    plain = "collections.OrderedDict" if issubclass(kind, collections.OrderedDict) else "dict"
+    warn_at_caller(f"{name} at key path {path!r} (and any other {kind.__qualname__}) is stored as a plain {plain} of "
+                   f"its items: restore gives a {plain}, without its type or attributes (a defaultdict's "
+                   "default_factory, say). Convert it yourself to silence this, or pass allow_pickle=True to keep "
+                   "the type (loading then needs allow_pickle=True too)", UserWarning)
 
 
 def flatten(state: Any, allow_pickle: bool = False) -> tuple[Node, list[Leaf]]:
@@ -232,6 +253,8 @@ def _unflatten(node: Node, arrays: dict[int, Any], selected: set[str] | None, al
         return _SKIP
     if tag in ("tensor", "ndarray"):
         return arrays[body]
+    if tag == "shards":  # one array stored as boxes (DCP checkpoints): the reader put it, whole, under its first record
+        return arrays[body[0]]
     if tag == "npscalar":
         return arrays[body][()]
     if tag == "pickle":

@@ -82,6 +82,16 @@ class UnsupportedObjectError(VaultError, TypeError):
         )
 
 
+class PinNotFoundError(VaultError, LookupError):
+    """No committed checkpoint is pinned under the requested tag."""
+
+    def __init__(self, tag: str, url: str, tags: list[str] | None = None) -> None:
+        self.tag = tag
+        known = f"; tags in use: {', '.join(tags)}" if tags else "; the vault has no pins"
+        super().__init__(f"no committed checkpoint in {url} is pinned as {tag!r}{known}. Pin one with "
+                         f"mgr.pin(step, {tag!r}) or `ckptvault pin URL STEP {tag}`; `ckptvault pins URL` lists them")
+
+
 class PickleNotAllowedError(VaultError):
     """Loading a checkpoint that holds pickled values requires allow_pickle=True."""
 
@@ -141,6 +151,20 @@ class OversizedObjectError(CorruptDataError):
 
 class SaveError(VaultError):
     """A save failed; nothing was committed for its step."""
+
+
+class ManagerClosedError(VaultError, RuntimeError):
+    """A CheckpointManager was used after :meth:`~ckptvault.CheckpointManager.close` (or after its ``with`` block)."""
+
+    def __init__(self, what: str, url: str) -> None:
+        super().__init__(f"{what} called on a closed CheckpointManager({url!r}): close() (or the end of its `with` "
+                         "block) released its vault; open a new CheckpointManager to keep saving or reading")
+
+
+class UnmatchedRuleWarning(VaultError, UserWarning):
+    """A ``codec_rules`` pattern matched no tensor of the first state a CheckpointManager saved, so it changes nothing
+    (a typo, or key paths other than the rule expects). A warning; to make it an error that stops that save before
+    anything is written: ``warnings.filterwarnings("error", category=UnmatchedRuleWarning)``."""
 
 
 class MaintenanceRefusedError(VaultError):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from concurrent.futures import Future
 
+from ._warn import reissue_deferred
 from .info import CheckpointInfo
 
 
@@ -36,7 +37,8 @@ class SaveHandle:
     def wait(self, timeout: float | None = None) -> CheckpointInfo | None:
         """Block until committed; return its info (None if skipped) or raise the save's error.
 
-        An error raised here is not raised again by the manager's next save, wait or close.
+        An error raised here is not raised again by the manager's next save, wait or close. Warnings the
+        background save issued (a lossy codec's fallback) are issued again here, at the caller's line.
         """
         try:
             return self.committed.result(timeout)
@@ -44,6 +46,8 @@ class SaveHandle:
             if self.committed.done():
                 self.reported = True
             raise
+        finally:
+            reissue_deferred()
 
     def done(self) -> bool:
         return self.committed.done()

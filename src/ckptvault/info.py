@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ._format.records import LossyInfo, Manifest, TensorRecord
+from ._save.commit import metrics_from_manifest
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,8 @@ class CheckpointInfo:
     ``logical_bytes``: bytes of its arrays uncompressed. ``stored_bytes``: stored
     size of every chunk it references. ``added_bytes``: what this checkpoint
     added to the vault (chunks no earlier checkpoint had).
+    ``metrics``: as saved; a non-finite number (NaN, infinity) is stored as the string ``"nan"``, ``"inf"`` or
+    ``"-inf"`` and given back here as a float (so a metric saved as one of those strings also reads back as a float).
     """
 
     step: int
@@ -82,7 +85,8 @@ def info_from_manifest(manifest: Manifest) -> CheckpointInfo:
                                   _error(lossy.error if lossy else None), t.lossy.notes if t.lossy else ()))
     return CheckpointInfo(
         step=manifest.step, time=manifest.time, logical_bytes=manifest.logical_bytes,
-        stored_bytes=manifest.stored_bytes, added_bytes=manifest.added_bytes, metrics=manifest.metrics,
+        stored_bytes=manifest.stored_bytes, added_bytes=manifest.added_bytes,
+        metrics=metrics_from_manifest(manifest.metrics),
         metadata=manifest.metadata, tensors=tensors, num_chunks=len(chunks),
     )
 

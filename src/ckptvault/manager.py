@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -15,11 +16,14 @@ from ._format.manifest import manifest_key
 from ._maintenance.mixin import MaintenanceMixin, apply_retention
 from ._maintenance.retention import Policy, Retention
 from ._reports.verify import VerifyReport, verify_steps
-from ._restore import restore_into, restore_tree
+from ._restore.live import has_live_objects, restore_live
+from ._restore.tensors import restore_into, restore_tree
 from ._save.commit import check_step, json_fields
 from ._save.pipeline import Saver, SaveRequest
+from ._save.preemption import Preempted, PreemptionHandler, critical, signal_numbers
 from ._vault import Vault
-from .errors import StepExistsError, VaultNotFoundError
+from ._warn import reissue_deferred
+from .errors import InvalidArgumentError, ManagerClosedError, StepExistsError, VaultNotFoundError
 from .handle import SaveHandle
 from .info import CheckpointInfo, info_from_manifest
 from .options import AsyncOptions, DeltaOptions, LossySafety, grouped
@@ -50,7 +54,15 @@ class CheckpointManager(MaintenanceMixin):
     default) writes chunks identical to stored ones never again and stores changed chunks as deltas against
     the latest keyframe, tuned by ``delta`` (:class:`~ckptvault.DeltaOptions`). ``lossy_safety``
     (:class:`~ckptvault.LossySafety`) says what happens to a lossy result that flushes, overflows or makes NaNs.
-    ``retention`` (a :class:`~ckptvault.Retention`, a policy or a list of policies) prunes after each commit.
+    ``retention`` (a :class:`~ckptvault.Retention`, a policy or a list of policies) prunes after each commit
+    (manifests only; it always keeps the latest and pinned steps and the keyframes kept deltas need), then gc
+    deletes the chunks only pruned checkpoints used once they are older than ``Retention.gc_grace`` (one hour):
+    right after a prune the disk holds as much as before. ``exclusive=True`` promises that this manager is the
+    vault's only writer: its retention then deletes at once the chunks its own prune released (docs/DESIGN.md
+    G6), never other unreferenced objects. Not while another process saves into, copies into or restores a
+    pruned step from the vault.
+    A termination signal ends the process without waiting for an asynchronous save in flight unless
+    :meth:`handle_preemption` is called.
 
     The flat spellings of earlier versions (``keyframe_every=5``, ``on_busy="skip"``, ``max_flushed=0.1``, ...,
     every field of those option objects) still work; each folds into its object. Use as a context manager or call
@@ -72,6 +84,7 @@ class CheckpointManager(MaintenanceMixin):
         async_options: AsyncOptions | None = None,
         lossy_safety: LossySafety | None = None,
         retention: Retention | Policy | Iterable[Policy] | None = None,
+        exclusive: bool = False,
         **flat: Any,
     ) -> None:
         options = grouped({"delta": delta, "async_options": async_options, "lossy_safety": lossy_safety}, flat)
@@ -84,9 +97,19 @@ class CheckpointManager(MaintenanceMixin):
         CodecRules(self._codec_rules, DEFAULT_CODEC if codec is None else codec)  # validate early
         self.delta_policy = DeltaPolicy(incremental, delta.keyframe_every, delta.keyframe_growth)
         self.retention = Retention.coerce(retention)
+        check_kind("exclusive", exclusive, bool)
+        self.exclusive = exclusive
+        self._preemption: PreemptionHandler | None = None
         self._saver = Saver(self.vault, self.delta_policy, async_save=async_save, async_options=async_options,
                             after_commit=self._after_commit, safety=lossy_safety, cache_keyframe=delta.cache_keyframe)
         self._loading_kernels = load_kernels_in_background()  # the first save would otherwise wait for numba to load
+        self._closed = False
+        self._rules_checked = False  # the first save warns about codec_rules patterns that match no tensor
+
+    def _check_open(self, what: str) -> None:
+        """ManagerClosedError after :meth:`close`: the vault's store and pool are released, so nothing may run."""
+        if self._closed:
+            raise ManagerClosedError(what, self.url)
 
     # -- saving ------------------------------------------------------------
     def save(
@@ -115,6 +138,7 @@ class CheckpointManager(MaintenanceMixin):
         last. Raises StepExistsError if ``step`` is committed and not ``overwrite``,
         UnsupportedObjectError (naming the key path) for values that need pickle.
         """
+        self._check_open("save()")
         check_step(step)
         check_kind("overwrite", overwrite, bool)
         check_kind("allow_pickle", allow_pickle, bool)  # "no" would allow it
@@ -123,22 +147,35 @@ class CheckpointManager(MaintenanceMixin):
         desc = self.vault.descriptor() or self.vault.create(self._chunk_size, codec)
         if not overwrite and (self.vault.store.exists(manifest_key(step)) or self._saver.inflight_step == step):
             raise StepExistsError(step, self.url)
-        rules = CodecRules(self._codec_rules, desc.codec if self._codec is None else self._codec)
+        rules = CodecRules(self._codec_rules, desc.codec if self._codec is None else self._codec,
+                           check_unmatched=not self._rules_checked)
         metrics, metadata = json_fields(metrics, "metrics"), json_fields(metadata, "metadata")  # fail here, not later
         request = SaveRequest(step, metrics, metadata, overwrite, progress, rules.default)
-        return self._saver.submit(request, state, rules, allow_pickle)
+        with critical(self._preemption):  # a handled signal arriving inside acts once this returns
+            handle = self._saver.submit(request, state, rules, allow_pickle)
+        self._rules_checked = self._rules_checked or not handle.skipped
+        reissue_deferred()  # warnings of the previous background save, at this line
+        return handle
 
     def _after_commit(self, step: int) -> None:
         if self.retention is not None:  # only now that the checkpoint is durable
-            apply_retention(self.vault, self.retention, step)
+            if self.exclusive:  # also frees the chunks its prune released, at once (DESIGN G6)
+                apply_retention(self.vault, self.retention, step, exclusive=True)
+            else:
+                apply_retention(self.vault, self.retention, step)
 
     def wait(self) -> None:
         """Wait until every save in flight is committed; raise the error of any failed save."""
-        self._saver.wait()
+        try:
+            with critical(self._preemption):
+                self._saver.wait()
+        finally:
+            reissue_deferred()
 
     # -- listing -----------------------------------------------------------
     def steps(self) -> list[int]:
         """Committed steps, ascending."""
+        self._check_open("steps()")
         return self.vault.steps()
 
     def latest_step(self) -> int | None:
@@ -184,30 +221,50 @@ class CheckpointManager(MaintenanceMixin):
         dtype or shape mismatch is a ``KeyMismatchError`` either way. Leaves
         of ``into`` that are not tensors or arrays (ints, floats, ...) are
         left as they are.
+
+        Live objects: where ``into`` holds objects with ``state_dict()`` and
+        ``load_state_dict()`` (``into={"model": model, "optimizer": opt,
+        "scheduler": sched, "scaler": scaler, "step": 0}``), each is restored
+        completely from the saved subtree at its key path: the tensors its
+        state dict holds in place as above (a module's parameters and
+        buffers, an optimizer's existing state), then, for anything but a
+        module whose state dict holds only tensors, ``load_state_dict()``
+        with the saved subtree (a fresh optimizer's state as new tensors).
+        The same mounting and ``strict`` rules apply; ``strict`` also
+        requires each object's subtree to be saved. Plain values of ``into``
+        (``"step": 0``) cannot be updated in place, so this form returns a
+        :class:`~ckptvault.RestoreReport` instead of ``into``: the saved
+        values at their key paths (``report["step"]``), and per object what
+        was restored and its missing and unexpected keys.
         """
         check_kind("strict", strict, bool)
         check_kind("allow_pickle", allow_pickle, bool)  # "no" would allow unpickling
         check_progress(progress)
         manifest = self.vault.read_manifest(self._resolve(step))
         if into is not None:
+            if has_live_objects(into):
+                return restore_live(self.vault, manifest, into, strict, allow_pickle, progress)
             return restore_into(self.vault, manifest, into, strict, progress)
         return restore_tree(self.vault, manifest, keys, allow_pickle, progress)
 
     # -- maintenance -------------------------------------------------------
     def delete(self, step: int) -> None:
         """Remove checkpoint ``step`` (its manifest). Chunks it alone used are reclaimed by gc."""
+        self._check_open("delete()")
         if not self.vault.store.exists(manifest_key(check_step(step))):  # a damaged manifest can still be deleted
             self.vault.read_manifest(step)  # raises VaultNotFoundError / StepNotFoundError naming the steps
         self.vault.store.delete(manifest_key(step))
 
     def verify(self, step: int | None = None, progress: Progress | None = None) -> VerifyReport:
         """Read and check every chunk of ``step`` (default: every step)."""
+        self._check_open("verify()")
         check_progress(progress)
         steps = [check_step(step)] if step is not None else self.steps()
         return verify_steps(self.vault, steps, progress)
 
     def _resolve(self, step: int | None) -> int:
         """The step to read (default: latest committed); waits if it is the save in flight."""
+        self._check_open("restore(), info() or manifest()")
         if step is not None and step == self._saver.inflight_step:
             self._saver.wait()
         if step is not None:
@@ -219,13 +276,68 @@ class CheckpointManager(MaintenanceMixin):
         return latest
 
     def close(self) -> None:
-        """Finish the save in flight, then release the vault. Raises the error of a failed save."""
+        """Finish the save in flight, then release the vault. Raises the error of a failed save. Closing twice is
+        harmless; any other use afterwards raises :class:`~ckptvault.errors.ManagerClosedError`."""
+        if self._closed:
+            return
+        self._closed = True
         try:
-            self._saver.close()
+            with critical(self._preemption):
+                self._saver.close()
         finally:
             if self._loading_kernels is not None:
                 self._loading_kernels.join()  # not left importing numba while the interpreter exits
             self.vault.close()
+            reissue_deferred()
+            self._end_preemption()
+
+    # -- preemption --------------------------------------------------------
+    def handle_preemption(self, signals: int | Iterable[int] = signal.SIGTERM, *, poll: bool = False) -> None:
+        """Make a termination signal finish the save in flight before the process exits (opt-in; main thread only).
+
+        Without this, SIGTERM (preemption, ``scancel``, a Kubernetes eviction) ends the process at once with
+        status 143 and an asynchronous save that ``save()`` had already returned from is lost: the vault keeps
+        the previous checkpoint. (Normal exits, exceptions and ``sys.exit`` always wait for it.)
+
+        With it, the handler only records the signal, calls the handler that was installed before (if it is a
+        Python function), and then:
+
+        * ``poll=False`` (default): raises :class:`~ckptvault.Preempted`, a ``SystemExit`` with code 128 + signum,
+          in the main thread (deferred to the end of this manager's ``save``, ``wait`` or ``close`` if it is
+          inside one). ``finally`` and ``with`` blocks run, ``close()`` or the exit flush commits the save in
+          flight, and the process exits with status 128 + signum (143 for SIGTERM). No final checkpoint: the
+          state may be mid-step.
+        * ``poll=True``: only sets :attr:`preempted`. The training loop checks it at a step boundary, saves a
+          final checkpoint and leaves the ``with`` block (or calls :meth:`close`), which commits every save and
+          then raises :class:`~ckptvault.Preempted` (exit status 128 + signum). A loop that never checks
+          keeps running until the scheduler kills it.
+
+        ``signals``: one signal or several (default SIGTERM; SIGUSR1 for ``sbatch --signal=USR1@120``). If the
+        handler installed before was ``SIG_IGN``, the signal stays ignored (only :attr:`preempted` is set).
+        :meth:`close` puts the previous handlers back. Raises InvalidArgumentError outside the main thread, if this
+        manager already handles preemption, or for a signal that cannot be caught.
+        """
+        self._check_open("handle_preemption()")
+        check_kind("poll", poll, bool)
+        numbers = signal_numbers(signals)
+        if self._preemption is not None and self._preemption.installed:
+            raise InvalidArgumentError("handle_preemption() was already called on this manager; close() it first")
+        self._preemption = PreemptionHandler(numbers, poll)
+
+    @property
+    def preempted(self) -> bool:
+        """True once a signal :meth:`handle_preemption` handles has arrived: save a final checkpoint and stop."""
+        return self._preemption is not None and self._preemption.signum is not None
+
+    def _end_preemption(self) -> None:
+        """At close: restore the previous signal handlers; exit (raise Preempted) if a polled signal arrived."""
+        handler = self._preemption
+        if handler is None:
+            return
+        signum = handler.exit_status_due()
+        handler.uninstall()
+        if signum is not None:
+            raise Preempted(signum)
 
     def __enter__(self) -> CheckpointManager:
         return self

@@ -33,7 +33,6 @@ from __future__ import annotations
 import logging
 import math
 import re
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
@@ -42,6 +41,7 @@ import numpy as np
 import torch
 
 from .._argcheck import check_kind
+from .._warn import warn_at_caller
 from ..errors import InvalidArgumentError, LossyCodecError
 from . import validate_codec_name
 
@@ -406,11 +406,11 @@ def encode_safely(path: str, t: torch.Tensor, spec: LossySpec, policy: LossySafe
             raise LossyCodecError(f"{message}; choose a safer codec for it or pass on_unsafe='fallback'")
         if policy.on_unsafe == "keep":
             notes.append(f"{message}; kept because on_unsafe='keep'")
-            warnings.warn(notes[-1], RuntimeWarning, stacklevel=2)
+            warn_at_caller(notes[-1], RuntimeWarning)  # the user's save() line, also from a worker
             return encoded, notes
         fallback = _FALLBACK[current.kind]
         notes.append(f"{message}; fell back to {fallback or 'lossless'}")
-        warnings.warn(notes[-1], RuntimeWarning, stacklevel=2)
+        warn_at_caller(notes[-1], RuntimeWarning)  # the user's save() line, also from a worker
         current = replace(current, kind=fallback) if fallback else None
     return None, notes
 

@@ -109,10 +109,12 @@ class GCResult:
                 "skipped_gone": self.skipped_gone}
 
 
-def plan_gc(vault: Vault, grace: float = DEFAULT_GRACE) -> GCPlan:
+def plan_gc(vault: Vault, grace: float = DEFAULT_GRACE, only: Iterable[str] | None = None) -> GCPlan:
     """List what gc would delete; deletes nothing except its own clock marker.
 
-    Raises MaintenanceRefusedError if a manifest is unreadable, VaultNotFoundError if there is no vault.
+    ``only``: consider just these chunk ids (and no temp files, markers or pins): what an exclusive manager's
+    own prune released (DESIGN G6). Raises MaintenanceRefusedError if a manifest is unreadable,
+    VaultNotFoundError if there is no vault.
     """
     check_kind("grace", grace, int, float)
     if not grace >= 0:
@@ -121,6 +123,7 @@ def plan_gc(vault: Vault, grace: float = DEFAULT_GRACE) -> GCPlan:
     store = vault.store
     now, clock = store_now(store)
     chunks = [i for i in store.list(CHUNKS_PREFIX) if chunk_id_of_key(i.key) is not None]  # junk is never garbage
+    wanted = None if only is None else set(only)
     listed = manifest_infos(store)
     live, _ = mark(vault, listed)
     plan = GCPlan(now, grace, clock, live, {i.key: (i.size, i.mtime) for i in listed}, [], len(chunks))
@@ -128,12 +131,15 @@ def plan_gc(vault: Vault, grace: float = DEFAULT_GRACE) -> GCPlan:
     for info in chunks:
         if info.key.rsplit("/", 1)[1] in live:
             plan.live_bytes += info.size
+        elif wanted is not None and info.key.rsplit("/", 1)[1] not in wanted:
+            continue
         elif info.mtime <= cutoff:
             plan.candidates.append(Garbage(info.key, info.size, info.mtime, "chunk"))
         else:
             plan.fresh_unreferenced += 1
     committed = {step_of_key(i.key) for i in listed}
-    plan.candidates += _other_garbage(store, cutoff, committed)
+    if wanted is None:
+        plan.candidates += _other_garbage(store, cutoff, committed)
     log.info("gc plan for %s: %d of %d chunks unreferenced and older than %gs (%d bytes)", vault.url,
              sum(g.kind == "chunk" for g in plan.candidates), len(chunks), grace, plan.bytes)
     return plan
@@ -174,7 +180,9 @@ def execute_gc(vault: Vault, plan: GCPlan) -> GCResult:
 
 
 def collect(vault: Vault, grace: float = DEFAULT_GRACE, dry_run: bool = False) -> tuple[GCPlan, GCResult | None]:
-    """Plan and, unless ``dry_run``, execute."""
+    """Plan and, unless ``dry_run``, execute. Only chunks older than ``grace`` go: with the default hour, the
+    chunks a prune just released stay on disk (``0 B freed``) until then; an exclusive manager frees its own
+    prune's at once (``CheckpointManager(exclusive=True)``, DESIGN G6)."""
     check_kind("dry_run", dry_run, bool)  # "no" would be a dry run, 0 not
     plan = plan_gc(vault, grace)
     return plan, (None if dry_run else execute_gc(vault, plan))

@@ -25,7 +25,7 @@ from .._argcheck import check_kind
 from .._format.manifest import manifest_key, step_of_key
 from .._vault import Vault
 from ..errors import InvalidArgumentError, ObjectNotFoundError, VaultError
-from .gc import ManifestSummary, collect, manifest_infos, read_summaries
+from .gc import ManifestSummary, collect, execute_gc, manifest_infos, plan_gc, read_summaries
 from .pins import PINS_PREFIX, list_pins, parse_pin_key
 from .retention import Decision, Policy, Retention, RetentionInfo
 
@@ -40,6 +40,8 @@ class PrunePlan:
     decisions: list[Decision]
     manifest_bytes: dict[int, int]
     released_bytes: int = 0
+    #: chunk ids (and delta bases) only the dropped checkpoints name: what gc may free once they are deleted
+    released_chunks: frozenset[str] = frozenset()
 
     @property
     def drop(self) -> list[int]:
@@ -94,6 +96,7 @@ def plan_prune(vault: Vault, retention: Retention | Policy | Iterable[Policy], n
     decisions = _protect(policy.decide(infos, now), set(protect))
     sizes = {s: i.size for i in listed if (s := step_of_key(i.key)) is not None}
     plan = PrunePlan(now, decisions, sizes)
+    plan.released_chunks = _released_chunks(summaries, set(plan.drop))
     plan.released_bytes = _released(summaries, set(plan.drop))
     return plan
 
@@ -133,14 +136,22 @@ def prune(vault: Vault, retention: Retention | Policy | Iterable[Policy], *, dry
     return plan, (None if dry_run else execute_prune(vault, plan))
 
 
-def apply_retention(vault: Vault, retention: Retention, step: int) -> PruneResult | None:
+def apply_retention(vault: Vault, retention: Retention, step: int, exclusive: bool = False) -> PruneResult | None:
     """What ``CheckpointManager`` runs after committing ``step``: prune (keeping ``step``), then gc if asked.
 
-    Never raises a VaultError: the checkpoint is already committed, so a
-    failed prune or gc is logged as a warning and retried after the next save.
+    ``exclusive`` (the manager is the vault's only writer; it runs this in its save task, so no save of its own
+    is in flight): the chunks only the manifests this prune deleted named, which no remaining manifest reaches,
+    are deleted at once instead of after ``gc_grace`` (DESIGN G6); other garbage still waits for the grace
+    period. Never raises a VaultError: the checkpoint is already committed, so a failed prune or gc is logged
+    as a warning and retried after the next save.
     """
     try:
-        _, result = prune(vault, retention, protect=(step,))
+        plan, result = prune(vault, retention, protect=(step,))
+        if result is not None and result.deleted and exclusive:
+            if plan.released_chunks:  # gc marks every remaining manifest (a step skipped at the last moment too)
+                freed = execute_gc(vault, plan_gc(vault, 0.0, only=plan.released_chunks))
+                log.info("exclusive retention after step %d freed %d chunks (%d bytes) of pruned steps %s", step,
+                         len(freed.deleted), freed.bytes_freed, result.deleted)
         if result is not None and result.deleted and retention.gc:
             collect(vault, retention.gc_grace)
         return result
@@ -156,6 +167,20 @@ def _latest(vault: Vault) -> int | None:
 
 def _protect(decisions: list[Decision], protect: set[int]) -> list[Decision]:
     return [Decision(d.step, True, d.reasons + ("protected",)) if d.step in protect else d for d in decisions]
+
+
+def _released_chunks(summaries: dict[int, ManifestSummary], drop: set[int]) -> frozenset[str]:
+    """Ids of the chunks and delta bases dropped checkpoints name that no kept checkpoint names."""
+    kept: set[str] = set()
+    for step, s in summaries.items():
+        if step not in drop:
+            kept.update(s.chunks)
+            kept.update(b for b in s.chunks.values() if b is not None)
+    named: set[str] = set()
+    for step in drop:
+        named.update(summaries[step].chunks)
+        named.update(b for b in summaries[step].chunks.values() if b is not None)
+    return frozenset(named - kept)
 
 
 def _released(summaries: dict[int, ManifestSummary], drop: set[int]) -> int:

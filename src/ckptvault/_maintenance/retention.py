@@ -187,6 +187,18 @@ class Retention:
     ``gc`` and ``gc_grace`` only matter to ``CheckpointManager(retention=...)``:
     after a prune that dropped something, it collects garbage with that grace
     period (seconds), so chunks of dropped checkpoints are freed once that old.
+
+    What it does to disk: a prune deletes manifests only. Besides what the
+    policies keep, the latest step, every pinned step and the keyframe of every
+    kept checkpoint stay (a kept delta checkpoint's changed chunks are encoded
+    against its keyframe's chunks, which must stay on disk anyway; keeping that
+    manifest costs nothing more and lets the next save keep encoding deltas), so
+    ``Retention(keep_last=2, keep_best=1, metric="val_loss")`` may keep up to
+    three checkpoints plus their keyframes. The chunks only dropped checkpoints
+    used are deleted once older than ``gc_grace`` (default one hour): a gc right
+    after a prune frees 0 bytes, which keeps it safe next to another process's
+    save. ``CheckpointManager(exclusive=True)`` (the only writer) frees them at
+    once (docs/DESIGN.md, G6).
     """
 
     def __init__(self, *policies: Policy, keep_last: int | None = None, keep_every: int | None = None,

@@ -26,7 +26,7 @@ import torch
 
 from .._arrays import itemsize_of, torch_dtype
 from .._format.records import Manifest, TensorRecord
-from .._restore import Dest, LossyReads, read_into
+from .._restore.tensors import Dest, LossyReads, read_into
 from .._tree import leaf_paths
 from .._vault import Vault
 from ..rules import any_match

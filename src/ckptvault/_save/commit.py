@@ -21,6 +21,7 @@ from .._format.schema import MAX_DEPTH, MAX_STEP, too_deep
 from .._parallel import map_all
 from .._vault import Vault
 from .._version import __version__
+from .._warn import warn_at_caller
 from ..errors import InvalidArgumentError, SaveError, StepExistsError
 from ..stores.base import Store
 from .chunking import Piece
@@ -167,11 +168,24 @@ def check_step(step: Any) -> int:
 
 
 def json_fields(values: dict[str, Any] | None, what: str) -> dict[str, Any]:
-    """``values`` checked to be a JSON object of finite values (numpy/torch scalars become floats)."""
+    """``values`` checked to be a JSON object of finite values (numpy/torch scalars become floats).
+
+    For ``metrics``, non-finite floats (a diverged loss) are kept as the strings ``"nan"``, ``"inf"``, ``"-inf"``
+    (manifests are strict JSON; :func:`metrics_from_manifest` gives the floats back), and a RuntimeWarning at the
+    caller's ``save()`` line names them (values already stored as strings warn no more)."""
     values = {} if values is None else values
     if not isinstance(values, dict) or not all(isinstance(k, str) for k in values):
         raise InvalidArgumentError(f"{what} must be a dict with str keys, got {type(values).__name__}")
     cleaned = {k: (float(v) if _is_number_like(v) else v) for k, v in values.items()}
+    if what == "metrics":
+        found: list[str] = []
+        cleaned = {k: _non_finite_as_str(v, k, found) for k, v in cleaned.items()}
+        if found:
+            what_is = f"metric {found[0]} is not a finite number" if len(found) == 1 else \
+                f"metrics {', '.join(found)} are not finite numbers"
+            warn_at_caller(f"{what_is} (NaN or infinity: did training diverge?): stored as 'nan'/'inf'/'-inf' in the "
+                          "manifest and read back as floats by info(); KeepBest and best_step() ignore it; check the "
+                          "value you pass to save(metrics=...)", RuntimeWarning)
     if too_deep(cleaned):  # readers refuse deeper manifests (_format/schema.py)
         raise InvalidArgumentError(f"{what} is nested more than {MAX_DEPTH} levels deep; flatten it")
     try:
@@ -181,6 +195,34 @@ def json_fields(values: dict[str, Any] | None, what: str) -> dict[str, Any]:
         detail = f"non-finite values at {bad}" if bad else str(exc)
         raise InvalidArgumentError(f"{what} must be JSON-serialisable (finite numbers, str, lists, dicts): {detail}") from None
     return cleaned
+
+
+def _non_finite_as_str(value: Any, path: str, found: list[str]) -> Any:
+    """``value`` with every non-finite float (also inside lists and dicts) as ``"nan"``, ``"inf"`` or ``"-inf"``;
+    the key path of each goes to ``found``."""
+    if isinstance(value, float) and not math.isfinite(value):
+        found.append(f"{path}={value}")
+        return str(value)
+    if isinstance(value, dict):
+        return {k: _non_finite_as_str(v, f"{path}.{k}", found) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_non_finite_as_str(v, f"{path}[{i}]", found) for i, v in enumerate(value)]
+    return value
+
+
+NON_FINITE_STRINGS = frozenset({"nan", "inf", "-inf"})
+
+
+def metrics_from_manifest(value: Any) -> Any:
+    """Stored metrics with the strings ``"nan"``, ``"inf"`` and ``"-inf"`` (how :func:`json_fields` keeps
+    non-finite numbers) as floats again, also inside lists and dicts."""
+    if isinstance(value, str) and value in NON_FINITE_STRINGS:
+        return float(value)
+    if isinstance(value, dict):
+        return {k: metrics_from_manifest(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [metrics_from_manifest(v) for v in value]
+    return value
 
 
 def _is_number_like(value: Any) -> bool:

@@ -176,7 +176,7 @@ def _residual_base(vault: Vault, keyframe: Manifest | None, record: ArrayRecord)
     if (index is None or entry is None or entry.kind != "torch" or entry.dtype != record.dtype
             or entry.shape != tuple(record.shape) or entry.is_lossy):
         return None
-    from .._restore import read_into
+    from .._restore.tensors import read_into
 
     value = empty_like_record("torch", entry.dtype, list(entry.shape))
     read_into(vault, keyframe, {index: writable_bytes(value)})

@@ -81,6 +81,7 @@ def take_snapshot(state: Any, rules: CodecRules, allow_pickle: bool = False,
     """
     tree, leaves = flatten(state, allow_pickle)
     records = [_record(leaf, rules) for leaf in leaves]
+    rules.warn_unmatched([(r.path, r.dtype) for r in records if r.kind != "pickle"])  # before anything is written
     needed = aligned_offsets([r.nbytes for r in records])[1]
     if staging is None or (staging_limit is not None and needed > staging_limit):
         return Snapshot(tree, records, [_live_view(leaf) for leaf in leaves], allow_pickle, staged=False)

@@ -28,7 +28,7 @@ every command takes --json for scripts.
 
 \b
 Examples:
-  ckptvault ls ./ckpts                      list checkpoints: sizes, ratio, metrics
+  ckptvault ls ./ckpts                      list checkpoints: sizes, compression, pins, metrics
   ckptvault show ./ckpts                    tensors of the latest checkpoint
   ckptvault show ./ckpts 200 -k 'model.*'   tensors of step 200 under "model"
   ckptvault verify ./ckpts                  read and check every chunk
@@ -37,6 +37,7 @@ Examples:
   ckptvault rm ./ckpts 100 200              delete two checkpoints (then `ckptvault gc`)
   ckptvault prune ./ckpts --keep-last 5     keep the 5 newest (+ latest, pinned); then `ckptvault gc`
   ckptvault gc ./ckpts                      free chunks no checkpoint uses (safe next to training)
+  ckptvault pins ./ckpts                    pinned checkpoints by tag (`ckptvault pin ./ckpts 200 best`)
   ckptvault cp ./ckpts s3://bucket/run1     copy to object storage, sending only missing chunks
   ckptvault ls ./ckpts --json | jq '.checkpoints[].step'
   ckptvault presets                         named codec rule sets (lossy compression), e.g. moments-compact
@@ -73,5 +74,5 @@ main.add_command(demo)
 main.add_command(diff)
 main.add_command(presets)
 main.add_command(cp)
-for _command in MAINTENANCE_COMMANDS:  # prune, gc, pin, unpin
+for _command in MAINTENANCE_COMMANDS:  # prune, gc, pin, unpin, pins
     main.add_command(_command)

@@ -83,12 +83,21 @@ class VaultGroup(click.Group):
         try:
             return super().invoke(ctx)
         except errors.VaultError as exc:
-            fail(str(exc), exit_code_for(exc))
+            fail(cli_message(str(exc)), exit_code_for(exc))
         except KeyboardInterrupt:
             fail("interrupted", EXIT_INTERRUPTED)
         except BrokenPipeError:
             _silence_stdout()
             raise click.exceptions.Exit(EXIT_ERROR) from None
+
+
+def cli_message(message: str) -> str:
+    """A library message as the CLI reports it: where it names ``storage_options`` (the library's keyword), it also
+    says how to give them on the command line."""
+    if "storage_options" not in message:
+        return message
+    return (f"{message} (on the command line, give storage options as `ckptvault --storage-option KEY=VALUE "
+            "COMMAND ...`; cp takes --src-option/--dst-option)")
 
 
 def _silence_stdout() -> None:

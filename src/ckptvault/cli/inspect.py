@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import logging
+import math
+import time
 from typing import Any
 
 import click
 
+from .._format.records import Manifest
+from .._maintenance.retention import RetentionInfo, decide
 from .._reports.usage import VaultUsage, vault_usage
 from ..errors import VaultError
-from ..info import CheckpointInfo, TensorInfo
+from ..info import CheckpointInfo, TensorInfo, info_from_manifest
 from ..rules import any_match
 from .common import EXIT_DAMAGED, emit_json, json_option, open_manager, step_argument, url_argument
 from .render import (
@@ -23,19 +28,51 @@ from .render import (
     table,
 )
 
+log = logging.getLogger("ckptvault.cli")
+
 
 def info_json(info: CheckpointInfo) -> dict[str, Any]:
-    """The JSON object of one checkpoint in ``ls``/``show`` output (stable keys)."""
+    """The JSON object of one checkpoint in ``ls``/``show`` output (stable keys). ``ratio`` is stored / logical,
+    ``compression`` logical / stored; non-finite metrics are the strings ``"nan"``, ``"inf"``, ``"-inf"`` (strict
+    JSON, as in the manifest)."""
     return {
         "step": info.step, "time": info.time, "time_iso": iso_time(info.time), "logical_bytes": info.logical_bytes,
         "stored_bytes": info.stored_bytes, "added_bytes": info.added_bytes, "ratio": info.ratio,
-        "num_chunks": info.num_chunks, "num_tensors": len(info.tensors), "metrics": info.metrics,
-        "metadata": info.metadata,
+        "compression": compression(info), "num_chunks": info.num_chunks, "num_tensors": len(info.tensors),
+        "metrics": _json_safe(info.metrics), "metadata": info.metadata,
     }
 
 
+def compression(info: CheckpointInfo) -> float:
+    """Logical / stored bytes: how many times smaller the checkpoint is stored than its arrays (1.0 when empty)."""
+    return info.logical_bytes / info.stored_bytes if info.stored_bytes else 1.0
+
+
+def compression_label(info: CheckpointInfo) -> str:
+    """``"1.16x"``: logical / stored, the COMPRESSION column of ``ls``."""
+    return f"{compression(info):.2f}x"
+
+
+def _json_safe(value: Any) -> Any:
+    """``value`` with non-finite floats as strings, so ``--json`` output stays strict JSON."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+def kept_reasons(manifests: list[Manifest], pins: dict[int, frozenset[str]]) -> dict[int, list[str]]:
+    """step -> why every prune keeps it whatever its policies (``pinned:TAG``, ``keyframe of N``: a kept delta
+    needs it); the latest step, always kept, is left out."""
+    infos = [RetentionInfo(m.step, m.time, m.metrics, pins.get(m.step, frozenset()), m.keyframe) for m in manifests]
+    return {d.step: [r for r in d.reasons if r != "latest"] for d in decide(infos, (), time.time())}
+
+
 # -- ls -----------------------------------------------------------------------------
-@click.command("ls", short_help="List checkpoints: time, sizes, ratio, metrics.")
+@click.command("ls", short_help="List checkpoints: time, sizes, compression, pins, metrics.")
 @url_argument
 @json_option
 def ls(url: str, as_json: bool) -> None:
@@ -44,41 +81,57 @@ def ls(url: str, as_json: bool) -> None:
     One row per step: commit time (local), LOGICAL bytes (the arrays
     uncompressed), STORED bytes (every chunk the checkpoint references, as
     stored), ADDED bytes (chunks this checkpoint added to the vault; the rest
-    it shares with earlier ones), RATIO stored/logical, and its metrics.
+    it shares with earlier ones), COMPRESSION logical/stored (2.00x: stored in
+    half the bytes), KEPT (why no prune removes it, when it is not the
+    latest: pinned:TAG, or keyframe of the kept deltas that need it) and its
+    metrics (non-finite ones as nan, inf).
 
     A checkpoint whose manifest cannot be read is reported on stderr and the
     exit status is 1.
 
     \b
     JSON: {"url", "checkpoints": [{"step", "time", "time_iso", "logical_bytes",
-    "stored_bytes", "added_bytes", "ratio", "num_chunks", "num_tensors",
-    "metrics", "metadata"}], "damaged": [{"step", "error"}]}
+    "stored_bytes", "added_bytes", "ratio" (stored/logical), "compression"
+    (logical/stored), "num_chunks", "num_tensors", "metrics", "metadata",
+    "keyframe_step", "pins", "kept"}], "damaged": [{"step", "error"}]}
     """
     with open_manager(url) as mgr:
-        infos: list[CheckpointInfo] = []
+        manifests: list[Manifest] = []
         damaged: list[dict[str, Any]] = []
-        for step in mgr.steps():
+        steps = mgr.steps()
+        pins = mgr.pins()
+        log.info("ls: %d committed steps in %s, %d pinned", len(steps), mgr.url, len(pins))
+        for step in steps:
             try:
-                infos.append(mgr.info(step))
+                manifests.append(mgr.vault.read_manifest(step))
             except VaultError as exc:
+                log.info("ls: step %d cannot be read: %s", step, exc)
                 damaged.append({"step": step, "error": str(exc)})
+                continue
+            m = manifests[-1]
+            log.debug("ls: step %d: %d tensors in %d chunks, keyframe %d", step, len(m.tensors), len(m.chunks), m.keyframe)
+        infos = [info_from_manifest(m) for m in manifests]
+        kept = kept_reasons(manifests, pins)
         if as_json:
-            emit_json({"url": mgr.url, "checkpoints": [info_json(i) for i in infos], "damaged": damaged})
+            emit_json({"url": mgr.url, "checkpoints": [
+                info_json(i) | {"keyframe_step": m.keyframe, "pins": sorted(pins.get(i.step, ())), "kept": kept[i.step]}
+                for i, m in zip(infos, manifests)], "damaged": damaged})
         else:
-            _print_ls(mgr.url, infos, damaged)
+            _print_ls(mgr.url, infos, damaged, kept)
     if damaged:
         raise click.exceptions.Exit(EXIT_DAMAGED)
 
 
-def _print_ls(url: str, infos: list[CheckpointInfo], damaged: list[dict[str, Any]]) -> None:
+def _print_ls(url: str, infos: list[CheckpointInfo], damaged: list[dict[str, Any]], kept: dict[int, list[str]]) -> None:
     if not infos and not damaged:
         click.echo(f"no checkpoints in {url}")
         return
     rows = [(str(i.step), local_time(i.time), human_bytes(i.logical_bytes), human_bytes(i.stored_bytes),
-             human_bytes(i.added_bytes), f"{i.ratio:.3f}", compact_mapping(i.metrics)) for i in infos]
-    rows += [(str(d["step"]), "-", "-", "-", "-", "-", "DAMAGED (see stderr)") for d in damaged]
+             human_bytes(i.added_bytes), compression_label(i), "; ".join(kept.get(i.step, ())) or "-",
+             compact_mapping(i.metrics)) for i in infos]
+    rows += [(str(d["step"]), "-", "-", "-", "-", "-", "-", "DAMAGED (see stderr)") for d in damaged]
     rows.sort(key=lambda r: int(r[0]))
-    click.echo(table(("STEP", "TIME", "LOGICAL", "STORED", "ADDED", "RATIO", "METRICS"), rows, "rlrrrr"))
+    click.echo(table(("STEP", "TIME", "LOGICAL", "STORED", "ADDED", "COMPRESSION", "KEPT", "METRICS"), rows, "rlrrrrl"))
     for d in damaged:
         click.echo(f"warning: step {d['step']}: {d['error']}", err=True)
 
@@ -94,7 +147,7 @@ def _print_ls(url: str, infos: list[CheckpointInfo], damaged: list[dict[str, Any
 def show(url: str, step: int | None, patterns: tuple[str, ...], as_json: bool) -> None:
     """Show checkpoint STEP (default: the latest): header and tensor table.
 
-    A header with the step, time, sizes, metrics and metadata, then one row per
+    A header with the step, time, sizes, metrics, metadata and pins, then one row per
     stored array: KEY PATH, DTYPE (numpy arrays as np.<dtype>), SHAPE, LOGICAL
     bytes, STORED bytes (its share of the compressed chunks it lives in) and
     CODEC (a lossy one as LOSSY+LOSSLESS, e.g. bf16+zstd). When any listed
@@ -105,17 +158,18 @@ def show(url: str, step: int | None, patterns: tuple[str, ...], as_json: bool) -
     are not listed.
 
     \b
-    JSON: the ls fields plus "tensors": [{"path", "kind", "dtype", "shape",
+    JSON: the ls fields (without "keyframe_step" and "kept") plus "pins": [TAG], "tensors": [{"path", "kind", "dtype", "shape",
     "nbytes", "stored_bytes", "codec", "error", "notes"}]; "error" is null or
     {"max_abs", "rel_l2", "flushed", "overflow", "nan"}
     """
     with open_manager(url) as mgr:
         info = mgr.info(step)
+        tags = sorted(mgr.pins().get(info.step, ()))
     tensors = [t for t in info.tensors if not patterns or any_match(t.path, patterns)]
     if as_json:
-        emit_json(info_json(info) | {"tensors": [_tensor_json(t) for t in tensors]})
+        emit_json(info_json(info) | {"pins": tags, "tensors": [_tensor_json(t) for t in tensors]})
         return
-    click.echo(key_value_block(_header(info, mgr.url)))
+    click.echo(key_value_block(_header(info, mgr.url, tags)))
     shown = f"{len(tensors)} of {len(info.tensors)} match {' '.join(patterns)}" if patterns else str(len(info.tensors))
     click.echo(f"{'tensors':8}  {shown}")
     if tensors:
@@ -142,16 +196,18 @@ def _tensor_json(t: TensorInfo) -> dict[str, Any]:
             "stored_bytes": t.stored_bytes, "codec": t.codec, "error": t.error, "notes": list(t.notes)}
 
 
-def _header(info: CheckpointInfo, url: str) -> list[tuple[str, str]]:
+def _header(info: CheckpointInfo, url: str, tags: list[str]) -> list[tuple[str, str]]:
     return [
         ("step", str(info.step)),
         ("vault", url),
         ("time", iso_time(info.time)),
         ("logical", f"{human_bytes(info.logical_bytes)} ({info.logical_bytes} bytes)"),
-        ("stored", f"{human_bytes(info.stored_bytes)} in {info.num_chunks} chunks, ratio {info.ratio:.3f}"),
+        ("stored", f"{human_bytes(info.stored_bytes)} in {info.num_chunks} chunks, compression {compression_label(info)} "
+                   f"({percent(info.stored_bytes, info.logical_bytes)} of logical)"),
         ("added", f"{human_bytes(info.added_bytes)} new to the vault with this checkpoint"),
         ("metrics", compact_mapping(info.metrics) or "-"),
         ("metadata", compact_mapping(info.metadata) or "-"),
+        ("pins", ", ".join(tags) or "-"),
     ]
 
 

@@ -1,4 +1,4 @@
-"""Maintenance commands: ``prune``, ``gc``, ``pin`` and ``unpin``.
+"""Maintenance commands: ``prune``, ``gc``, ``pin``, ``unpin`` and ``pins``.
 
 All four are safe to run from a scheduled job (cron, a Kubernetes CronJob)
 while a training job saves into the same vault: prune never deletes the
@@ -16,7 +16,7 @@ from .._maintenance.gc import GCPlan, GCResult
 from .._maintenance.prune import PrunePlan, PruneResult
 from .._maintenance.retention import DEFAULT_GRACE, Retention
 from .common import emit_json, json_option, open_manager, url_argument
-from .render import human_bytes
+from .render import human_bytes, table
 
 
 def _steps_text(steps: list[int], limit: int = 20) -> str:
@@ -189,4 +189,29 @@ def unpin(url: str, step: int, tag: str, as_json: bool) -> None:
         click.echo(f"step {step} had no pin {tag!r}; nothing removed")
 
 
-COMMANDS = (prune, gc, pin, unpin)
+@click.command("pins")
+@url_argument
+@json_option
+def pins(url: str, as_json: bool) -> None:
+    """List the pins of the vault at URL: one row per tag, with the step it protects.
+
+    A pin whose checkpoint is no longer committed (deleted with `ckptvault rm`)
+    is listed as such; `ckptvault unpin URL STEP TAG` removes it.
+
+    \b
+    JSON: {"url", "pins": [{"tag", "step", "committed"}]}
+    """
+    with open_manager(url) as mgr:
+        pinned = mgr.pins()
+        committed = set(mgr.steps())
+    rows = sorted(((tag, step) for step, tags in pinned.items() for tag in tags), key=lambda r: (r[0], r[1]))
+    if as_json:
+        emit_json({"url": mgr.url, "pins": [{"tag": t, "step": s, "committed": s in committed} for t, s in rows]})
+    elif not rows:
+        click.echo(f"no pins in {mgr.url} (`ckptvault pin URL STEP TAG` adds one)")
+    else:
+        click.echo(table(("TAG", "STEP", "CHECKPOINT"), [
+            (t, str(s), "committed" if s in committed else "gone (unpin it)") for t, s in rows], "lrl"))
+
+
+COMMANDS = (prune, gc, pin, unpin, pins)

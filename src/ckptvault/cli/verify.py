@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import time
 from typing import Any
 
 import click
@@ -22,6 +24,7 @@ from .common import (
 )
 from .render import human_bytes
 
+log = logging.getLogger("ckptvault.cli")
 
 @click.command("verify", short_help="Read and check every chunk; exit 1 if damaged.")
 @url_argument
@@ -47,8 +50,18 @@ def verify(url: str, step: int | None, as_json: bool, progress: bool | None) -> 
     """
     with open_manager(url) as mgr:
         steps = require_steps(mgr, [step]) if step is not None else mgr.steps()
-        with progress_bar(_bytes_to_check(mgr, steps), "verify", progress) as update:
+        total = _bytes_to_check(mgr, steps)
+        log.info("verify: %d checkpoints in %s, %s of distinct chunks to read", len(steps), mgr.url,
+                 "an unknown amount (a manifest is unreadable)" if total is None else human_bytes(total))
+        start = time.monotonic()
+        with progress_bar(total, "verify", progress) as update:
             report = mgr.verify(step, progress=update)
+        elapsed = time.monotonic() - start
+        log.info("verify: read %d chunks, %s in %.2f s (%s/s); %d of %d checkpoints damaged", report.chunks_checked,
+                 human_bytes(report.bytes_checked), elapsed, human_bytes(report.bytes_checked / max(elapsed, 1e-9)),
+                 len(report.problems), len(report.checked))
+        for checked in report.checked:
+            log.debug("verify: step %d: %s", checked, "; ".join(report.problems.get(checked, [])) or "ok")
     if as_json:
         emit_json(_report_json(mgr.url, report))
     else:

@@ -288,6 +288,11 @@ def classify(exc: BaseException, what: str, where: str) -> StorageError:
             f"the TLS certificate of {where} is not trusted ({_short(exc)}): pass storage_options "
             "verify='/path/to/ca-bundle.pem' with the CA that signed it (or set AWS_CA_BUNDLE), or verify=False to "
             "skip the check")
+    if isinstance(exc, (be.EndpointConnectionError, be.ConnectTimeoutError)):  # nothing answered: not our request
+        return RetryableStorageError(
+            f"transient S3 failure on {what!r} in {where} after retries: {_short(exc)}. Nothing answered at the "
+            "endpoint: check the endpoint URL (storage_options endpoint_url, AWS_ENDPOINT_URL or the profile's; host, "
+            "port, http or https) and that the S3 service there is running")
     if code in RETRYABLE_CODES or status >= 500 or status == 429 or is_transport_error(exc):
         return RetryableStorageError(f"transient S3 failure on {what!r} in {where} after retries: {_short(exc)}")
     if isinstance(exc, (be.ParamValidationError, be.InvalidRegionError, be.InvalidEndpointConfigurationError)):
