@@ -15,7 +15,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "src" / "ckptvault"
 #: root modules every layer may use: they import nothing of the package but each other
-SHARED = {"errors", "_argcheck", "_version", "_warn"}
+SHARED = {"errors", "_argcheck", "_version", "_feedback"}
 #: layer -> the layers (package folders) it may import besides itself and SHARED
 LOWER_LAYERS = {"_codecs": set(), "stores": set(), "_format": {"_codecs"}, "testing": {"stores"}}
 #: the pipelines, and the user-facing layer above them that they never import ("" is the package's __init__)

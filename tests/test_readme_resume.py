@@ -1,5 +1,6 @@
-"""The README's "Resume a training run" recipe, run as written: killed with SIGKILL part-way and run again, it
-ends bit-identical to an uninterrupted run (weights, optimizer and scheduler states, the losses after the resume).
+"""The README's "Resume a training run" recipe, run as written: killed with SIGKILL part-way, or stopped with SIGTERM
+(it saves the step it is at and exits with 143), and run again, it ends bit-identical to an uninterrupted run
+(weights, optimizer and scheduler states, the losses after the resume).
 
 The code block is the one after the ``<!-- resume-recipe`` comment in README.md, written to a file and run as a
 script in a subprocess with ``VAULT`` and ``STEPS`` in its environment.
@@ -16,6 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 import ckptvault
@@ -58,15 +60,25 @@ def _final(vault: Path) -> dict[str, Any]:
     return state
 
 
-def test_the_readme_recipe_resumes_bit_identically_after_sigkill(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[int, str]]:
+    """The recipe run once to the end (shared by the tests that stop it): its vault and its losses."""
+    tmp_path = tmp_path_factory.mktemp("uninterrupted")
     script = tmp_path / "train.py"
     script.write_text(recipe())
-    assert 'os.environ.get("VAULT", "./ckpts")' in script.read_text()  # the parameters are shown with defaults
-
-    full = _run(script, tmp_path / "uninterrupted")
+    full = _run(script, tmp_path / "vault")
     expected = _losses(full)
     assert sorted(expected) == list(range(1, STEPS + 1))
     assert "resumed from step" not in "\n".join(full)
+    return tmp_path / "vault", expected
+
+
+def test_the_readme_recipe_resumes_bit_identically_after_sigkill(tmp_path: Path,
+                                                                 uninterrupted: tuple[Path, dict[int, str]]) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(recipe())
+    assert 'os.environ.get("VAULT", "./ckpts")' in script.read_text()  # the parameters are shown with defaults
+    full_vault, expected = uninterrupted
 
     vault = tmp_path / "killed"
     proc = _start(script, vault)
@@ -91,22 +103,65 @@ def test_the_readme_recipe_resumes_bit_identically_after_sigkill(tmp_path: Path)
     assert sorted(resumed) == list(range(committed + 1, STEPS + 1))
     assert resumed == {s: expected[s] for s in resumed}, "the losses after the resume differ"
 
-    want, got = _final(tmp_path / "uninterrupted"), _final(vault)
+    want, got = _final(full_vault), _final(vault)
     for key in ("model", "optimizer", "scheduler", "step"):
         assert_same_state(want[key], got[key])
     assert got["optimizer"]["state"][0]["step"].item() == STEPS
     assert got["scheduler"]["last_epoch"] == STEPS
 
 
-def test_the_comparison_notices_a_resume_without_the_rng_state(tmp_path: Path) -> None:
-    """Control: the same recipe with ``set_rng_state`` taken out resumes with other dropout masks and diverges."""
+def test_the_readme_recipe_saves_the_step_it_is_at_on_sigterm_and_resumes_bit_identically(
+        tmp_path: Path, uninterrupted: tuple[Path, dict[int, str]]) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(recipe())
+    assert "mgr.handle_preemption(poll=True)" in script.read_text()
+    full_vault, expected = uninterrupted
+
+    vault = tmp_path / "terminated"
+    proc = _start(script, vault)
+    assert proc.stdout is not None
+    first = []
+    for line in proc.stdout:
+        first.append(line.strip())
+        if first[-1] == f"saved step {KILL_AFTER}":
+            break
+    deadline = time.monotonic() + 60
+    while not (vault / manifest_key(KILL_AFTER)).exists():  # committed (the save runs in the background)
+        assert time.monotonic() < deadline and proc.poll() is None, "the save was not committed"
+        time.sleep(0.001)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    first += out.splitlines()
+    assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    stopped = max(_losses(first))
+    assert KILL_AFTER < stopped < STEPS, "the run did not stop part-way on SIGTERM"
+    assert first[-1] == f"saved step {stopped}"  # the step it was at, saved last
+    with ckptvault.CheckpointManager(vault) as mgr:
+        assert mgr.latest_step() == stopped  # ... and committed before the exit
+
+    second = _run(script, vault)
+    assert second[0] == f"resumed from step {stopped}"
+    resumed = _losses(second)
+    assert sorted(resumed) == list(range(stopped + 1, STEPS + 1))
+    assert resumed == {s: expected[s] for s in resumed}, "the losses after the resume differ"
+    want, got = _final(full_vault), _final(vault)
+    for key in ("model", "optimizer", "scheduler", "step"):
+        assert_same_state(want[key], got[key])
+    assert got["optimizer"]["state"][0]["step"].item() == STEPS
+
+
+def test_the_comparison_notices_a_resume_without_the_rng_state(tmp_path: Path,
+                                                               uninterrupted: tuple[Path, dict[int, str]]) -> None:
+    """Control: the same recipe with ``set_rng_state`` taken out resumes with other dropout masks and diverges.
+    (Its uninterrupted run is the recipe's: the line taken out runs only on a resume.)"""
     code = recipe()
     assert code.count("set_rng_state(report[\"rng\"])") == 1
     script = tmp_path / "train.py"
     script.write_text(code.replace("set_rng_state(report[\"rng\"])", "torch.manual_seed(1)"))
-    expected = _losses(_run(script, tmp_path / "uninterrupted"))
+    full_vault, expected = uninterrupted
     vault = tmp_path / "resumed"
-    with ckptvault.CheckpointManager(tmp_path / "uninterrupted") as src:  # a vault holding steps 25 and 50 only
+    with ckptvault.CheckpointManager(full_vault) as src:  # a vault holding steps 25 and 50 only
         with ckptvault.CheckpointManager(vault) as dst:
             for step in (25, 50):
                 dst.save(step, src.restore(step)).wait()
@@ -114,4 +169,4 @@ def test_the_comparison_notices_a_resume_without_the_rng_state(tmp_path: Path) -
     assert min(resumed) == 51
     assert any(resumed[s] != expected[s] for s in resumed)
     got = _final(vault)
-    assert not torch.equal(got["model"]["0.weight"], _final(tmp_path / "uninterrupted")["model"]["0.weight"])
+    assert not torch.equal(got["model"]["0.weight"], _final(full_vault)["model"]["0.weight"])

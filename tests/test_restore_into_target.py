@@ -175,6 +175,70 @@ def test_dtype_and_shape_mismatches_are_errors(tmp_path: Path, strict: bool) -> 
             mgr.restore(1, into=target, strict=strict)
 
 
+def test_every_dtype_and_shape_mismatch_is_listed_in_one_error_before_anything_is_read(tmp_path: Path) -> None:
+    """As ``load_state_dict``: all mismatches at once (a plain target and a live one), and the target untouched."""
+    _saved(tmp_path / "v")
+    with ckptvault.CheckpointManager(tmp_path / "v") as mgr:
+        model = _train_state(seed=1)[0]
+        target = model.state_dict()
+        target["0.weight"] = torch.zeros(64, 256)
+        target["2.bias"] = torch.zeros(128, dtype=torch.float64)
+        untouched = _clone(target)
+        message = ("2 into= tensors differ in dtype or shape from the checkpoint of step 1: "
+                   "'0.weight': saved float32[256, 64], target is float32[64, 256]; "
+                   "'2.bias': saved float32[128], target is float64[128]; "
+                   "restore without into= and convert, or fix the target")
+        with pytest.raises(KeyMismatchError, match=re.escape(message) + "$"):
+            mgr.restore(1, into=target)
+        assert_same_state(untouched, target)  # not even the tensors that match were written
+
+        live_before = _clone(model.state_dict())
+        model[0].weight.data = torch.zeros(256, 32)
+        model[2].bias.data = torch.zeros(128, dtype=torch.float64)
+        with pytest.raises(KeyMismatchError, match=re.escape(
+                "2 into= tensors differ in dtype or shape from the checkpoint of step 1: "
+                "'model.0.weight': saved float32[256, 64], target is float32[256, 32]; "
+                "'model.2.bias': saved float32[128], target is float64[128]; restore without")):
+            mgr.restore(1, into={"model": model, "step": 0})
+        assert torch.equal(model[0].bias, live_before["0.bias"]) and torch.equal(model[2].weight, live_before["2.weight"])
+
+
+def test_a_long_list_of_mismatches_is_capped(memory_url: str) -> None:
+    from ckptvault._restore.tensors import SHOWN_MISMATCHES
+
+    count = SHOWN_MISMATCHES + 3
+    with ckptvault.CheckpointManager(memory_url) as mgr:
+        mgr.save(1, {f"t{i:02d}": torch.ones(2) for i in range(count)}).wait()
+        target = {f"t{i:02d}": torch.zeros(3) for i in range(count)}
+        with pytest.raises(KeyMismatchError) as info:
+            mgr.restore(1, into=target)
+        text = str(info.value)
+        assert text.count("target is float32[3]") == SHOWN_MISMATCHES
+        assert f"{count} into= tensors differ" in text and "; and 3 more; restore without into=" in text
+        assert all(torch.equal(t, torch.zeros(3)) for t in target.values())
+
+
+def test_a_missing_key_lists_the_nearby_saved_keys_under_its_mount_point(tmp_path: Path) -> None:
+    _saved(tmp_path / "v")
+    with ckptvault.CheckpointManager(tmp_path / "v") as mgr:
+        target = _train_state(seed=1)[0].state_dict()
+        target["0.weigth"] = target.pop("0.weight")  # a typo: the saved 0.weight is what it meant
+        untouched = _clone(target)
+        message = ("into= holds 1 tensors the checkpoint of step 1 does not (under 'model'): ['0.weigth']; "
+                   "saved keys near them: {'0.weigth': ['0.weight']}; remove them from into=")
+        with pytest.raises(KeyMismatchError, match=re.escape(message)) as info:
+            mgr.restore(1, into=target)
+        assert "optimizer" not in str(info.value)  # keys of another subtree are not offered
+        assert_same_state(untouched, target)
+        with pytest.raises(KeyMismatchError, match=re.escape(
+                "(at its root): ['model.0.weigth']; saved keys near them: {'model.0.weigth': ['model.0.weight']}")):
+            mgr.restore(1, into={"model": target})
+        del target["0.weigth"]
+        target["extra"] = torch.zeros(1)  # nothing saved is near it: no list
+        with pytest.raises(KeyMismatchError, match=re.escape("(under 'model'): ['extra']; remove them")):
+            mgr.restore(1, into=target)
+
+
 # -- 5: what the target does not name is not read -----------------------------------------------------------------
 
 

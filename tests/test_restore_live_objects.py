@@ -167,7 +167,8 @@ def test_strict_mismatches_are_key_mismatch_errors_naming_the_key_path(tmp_path:
         with pytest.raises(KeyMismatchError, match=re.escape(
                 "into= object 'ema_scaler' (GradScaler) is not in the checkpoint of step 3: it holds nothing at "
                 "'ema_scaler' (its "
-                "top-level keys are ['gen', 'model', 'optimizer', 'scaler', 'scheduler', 'step']); pass strict=False")):
+                "top-level keys are ['gen', 'model', 'optimizer', 'scaler', 'scheduler', 'step']; "
+                "saved keys near it: ['scaler']); pass strict=False")):
             mgr.restore(3, into={"model": fresh.model, "ema_scaler": torch.amp.GradScaler("cpu")})
         assert_same_state(before, fresh.model.state_dict())
 

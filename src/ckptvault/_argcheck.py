@@ -25,6 +25,7 @@ def check_kind(name: str, value: Any, *kinds: type) -> None:
 
 
 def check_progress(progress: Any) -> None:
-    """InvalidArgumentError unless ``progress`` is None or callable (it is called with a byte count)."""
+    """InvalidArgumentError unless ``progress`` is None or callable (it is called with a byte count, and
+    ``total=`` where it takes that keyword: ``_feedback.py``)."""
     if progress is not None and not callable(progress):
         raise InvalidArgumentError(f"progress must be a callable taking a byte count, or None, got {progress!r}")

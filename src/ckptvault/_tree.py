@@ -37,8 +37,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from ._feedback import warn_at_caller
 from ._format.schema import MAX_DEPTH
-from ._warn import warn_at_caller
 from .errors import InvalidArgumentError, PickleNotAllowedError, UnsupportedObjectError
 
 Node = dict[str, Any]

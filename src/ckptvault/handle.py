@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from concurrent.futures import Future
 
-from ._warn import reissue_deferred
+from ._feedback import reissue_deferred
 from .info import CheckpointInfo
 
 

@@ -12,6 +12,7 @@ from ._argcheck import check_kind, check_progress
 from ._codecs import DEFAULT_CODEC
 from ._codecs.planes import load_kernels_in_background
 from ._delta.policy import DeltaPolicy
+from ._feedback import reissue_deferred
 from ._format.manifest import manifest_key
 from ._maintenance.mixin import MaintenanceMixin, apply_retention
 from ._maintenance.retention import Policy, Retention
@@ -22,7 +23,6 @@ from ._save.commit import check_step, json_fields
 from ._save.pipeline import Saver, SaveRequest
 from ._save.preemption import Preempted, PreemptionHandler, critical, signal_numbers
 from ._vault import Vault
-from ._warn import reissue_deferred
 from .errors import InvalidArgumentError, ManagerClosedError, StepExistsError, VaultNotFoundError
 from .handle import SaveHandle
 from .info import CheckpointInfo, info_from_manifest
@@ -137,6 +137,11 @@ class CheckpointManager(MaintenanceMixin):
         The checkpoint becomes visible atomically when its manifest is written,
         last. Raises StepExistsError if ``step`` is committed and not ``overwrite``,
         UnsupportedObjectError (naming the key path) for values that need pickle.
+
+        ``progress``: called with the size in bytes of each chunk as it is written or found already stored
+        (from worker threads); a callable that takes a keyword ``total`` also gets ``total=``, the same on
+        every call and the sum of all increments: the bytes of the state as chunked (``info(step).logical_bytes``
+        when nothing is stored lossy).
         """
         self._check_open("save()")
         check_step(step)
@@ -236,6 +241,11 @@ class CheckpointManager(MaintenanceMixin):
         :class:`~ckptvault.RestoreReport` instead of ``into``: the saved
         values at their key paths (``report["step"]``), and per object what
         was restored and its missing and unexpected keys.
+
+        ``progress``: called with the size in bytes of each chunk read (from worker threads); a callable
+        that takes a keyword ``total`` also gets ``total=``, the same on every call and the sum of all
+        increments: the bytes of the chunks this restore reads (``info(step).logical_bytes`` for a whole
+        checkpoint; less when ``keys`` or ``into`` name part of it, a packed chunk counted whole).
         """
         check_kind("strict", strict, bool)
         check_kind("allow_pickle", allow_pickle, bool)  # "no" would allow unpickling
@@ -256,7 +266,12 @@ class CheckpointManager(MaintenanceMixin):
         self.vault.store.delete(manifest_key(step))
 
     def verify(self, step: int | None = None, progress: Progress | None = None) -> VerifyReport:
-        """Read and check every chunk of ``step`` (default: every step)."""
+        """Read and check every chunk of ``step`` (default: every step).
+
+        ``progress``: called with the size in bytes of each chunk checked; a callable that takes a keyword
+        ``total`` also gets ``total=``, the same on every call and the sum of all increments: the bytes of
+        the distinct chunks of the steps checked.
+        """
         self._check_open("verify()")
         check_progress(progress)
         steps = [check_step(step)] if step is not None else self.steps()

@@ -24,7 +24,7 @@ from typing import TypedDict
 
 from ._codecs import validate_codec_name
 from ._codecs.lossy import parse_codec
-from ._warn import warn_at_caller
+from ._feedback import warn_at_caller
 from .errors import InvalidArgumentError, UnmatchedRuleWarning
 
 

@@ -41,7 +41,7 @@ import numpy as np
 import torch
 
 from .._argcheck import check_kind
-from .._warn import warn_at_caller
+from .._feedback import warn_at_caller
 from ..errors import InvalidArgumentError, LossyCodecError
 from . import validate_codec_name
 

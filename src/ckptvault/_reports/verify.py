@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from .._feedback import metered
 from .._vault import Vault
 from ..errors import CorruptChunkError, CorruptDataError, ObjectNotFoundError, VaultError
 
@@ -38,6 +39,8 @@ def verify_steps(vault: Vault, steps: list[int], progress: Callable[[int], None]
         for chunk in manifest.chunks:
             users.setdefault(chunk.id, []).append(step)
             sizes[chunk.id] = chunk.raw
+
+    progress = metered(progress, sum(sizes.values()))  # each chunk once, as checked
 
     def check(cid: str) -> str | None:
         try:

@@ -18,6 +18,7 @@ which are checked (presence when ``strict``, dtype and shape always) before any 
 
 from __future__ import annotations
 
+import difflib
 import types
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ import numpy as np
 import torch
 
 from .._arrays import empty_like_record, writable_bytes
+from .._feedback import metered
 from .._format.records import Manifest
 from .._tree import Node, join_path, leaf_paths, scalar_value, unflatten
 from .._vault import Vault
@@ -36,13 +38,14 @@ from .tensors import (
     LossyReads,
     Progress,
     _array_leaves,
-    _check_target,
     _finish,
     _mount_prefix,
     _saved_array_paths,
+    plan_into,
+    read_bytes,
     read_into,
     read_sharded,
-    restore_into,
+    shard_indices,
 )
 
 _ARRAY_TAGS = ("tensor", "ndarray", "npscalar", "pickle")
@@ -126,10 +129,7 @@ def restore_live(vault: Vault, manifest: Manifest, into: Any, strict: bool, allo
     def where(path: str) -> str:
         return join_path(prefix, path) if prefix else path
 
-    for path, tensor in tensors.items():  # before anything is read or written, as a plain into= checks
-        index = saved.get(where(path))
-        if index is not None:
-            _check_target(manifest.tensors[index], path, tensor)
+    in_place = plan_into(manifest, target, strict)  # checked before anything is read or written, every mismatch at once
     nodes: dict[str, Node] = {}
     _node_paths(manifest.tree, "", nodes)
     reports: dict[str, RestoredObject] = {}
@@ -146,9 +146,13 @@ def restore_live(vault: Vault, manifest: Manifest, into: Any, strict: bool, allo
         if node is None:
             if strict:
                 tops = sorted({str(s).split(".", 1)[0] for s in nodes if s})[:20]
+                parent = saved_path.rpartition(".")[0]
+                siblings = [s for s in nodes if s and s.rpartition(".")[0] == parent and s != saved_path]
+                near = difflib.get_close_matches(saved_path, siblings, n=3, cutoff=0.6)
                 raise KeyMismatchError(
                     f"into= object {path!r} ({type(obj).__name__}) is not in the checkpoint of step {step}: it holds "
-                    f"nothing at {saved_path!r} (its top-level keys are {tops}); pass strict=False to skip it "
+                    f"nothing at {saved_path!r} (its top-level keys are {tops}"
+                    f"{f'; saved keys near it: {near}' if near else ''}); pass strict=False to skip it "
                     "(it is left unchanged)")
             keys = tuple(join_path(path, k) for k in own_keys) or (path,)
             reports[path] = RestoredObject(path, saved_path, 0, False, keys, ())
@@ -184,10 +188,13 @@ def restore_live(vault: Vault, manifest: Manifest, into: Any, strict: bool, allo
         shard_paths.update(p for p, leaf in leaf_paths(node, saved_path).items() if "shards" in leaf)
         values_at[path] = (node, saved_path)
 
-    new = _read_new(vault, manifest, reads, progress)  # nothing live is touched yet
+    new_reads = _new_reads(manifest, reads)
+    progress = metered(progress, read_bytes(manifest, new_reads[0]) + read_bytes(manifest, in_place.dests)
+                       + read_bytes(manifest, shard_indices(manifest, shard_paths) if shard_paths else []))
+    new = _read_new(vault, manifest, reads, new_reads, progress)  # nothing live is touched yet
     if shard_paths:
         new.update({i: _finish(manifest.tensors[i], v) for i, v in read_sharded(vault, manifest, shard_paths, progress).items()})
-    restore_into(vault, manifest, target, strict, progress)  # the tensors of the target, in place
+    in_place.read(vault, manifest, progress)  # the tensors of the target, in place
     for obj, node, saved_path, own in loads:
         state = unflatten(node, {**new, **own}, None, allow_pickle, saved_path)
         if isinstance(obj, torch.nn.Module):
@@ -254,14 +261,25 @@ def _refuse_pickle(node: Node, path: str, allow_pickle: bool) -> None:
                 "(only for checkpoints you trust: unpickling can run arbitrary code)")
 
 
-def _read_new(vault: Vault, manifest: Manifest, indices: set[int], progress: Progress | None) -> dict[int, Any]:
-    """Records ``indices`` (not sharded) read into new tensors and arrays, finished as ``restore()`` returns them."""
+NewReads = tuple[dict[Dest, memoryview | Callable[[], memoryview]], dict[int, Any], LossyReads]
+
+
+def _new_reads(manifest: Manifest, indices: set[int]) -> NewReads:
+    """The buffers :func:`_read_new` reads records ``indices`` into: (every dest, the plain values, the lossy)."""
     records = manifest.tensors
     lossy = LossyReads(records, [i for i in indices if records[i].is_lossy])
     values = {i: empty_like_record(records[i].kind, records[i].dtype, list(records[i].shape))
               for i in indices if i not in lossy.buffers}
     dests: dict[Dest, memoryview | Callable[[], memoryview]] = {i: writable_bytes(v) for i, v in values.items()}
-    if dests or lossy.buffers:
-        read_into(vault, manifest, {**dests, **lossy.dests()}, progress)
+    return {**dests, **lossy.dests()}, values, lossy
+
+
+def _read_new(vault: Vault, manifest: Manifest, indices: set[int], planned: NewReads,
+              progress: Progress | None) -> dict[int, Any]:
+    """Records ``indices`` (not sharded) read into new tensors and arrays, finished as ``restore()`` returns them."""
+    records = manifest.tensors
+    dests, values, lossy = planned
+    if dests:
+        read_into(vault, manifest, dests, progress)
     values.update({i: lossy.decoded(i) for i in indices if i in lossy.buffers})
     return {i: _finish(records[i], v) for i, v in values.items()}

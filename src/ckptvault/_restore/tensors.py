@@ -8,10 +8,12 @@ a restore needs the output tensors plus about one chunk per worker.
 
 from __future__ import annotations
 
+import difflib
 import functools
 import threading
 from collections import defaultdict
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -19,6 +21,7 @@ import torch
 
 from .._arrays import empty_like_record, finish_ndarray, plain_cpu, tensor_bytes, torch_dtype, writable_bytes
 from .._codecs.lossy import DEFAULT_BLOCK, LossySpec, decode
+from .._feedback import Progress, metered
 from .._format.records import LossyInfo, Manifest, Piece, TensorRecord
 from .._format.shards import box_of
 from .._parallel import map_all
@@ -26,9 +29,6 @@ from .._tree import join_path, leaf_paths, unflatten
 from .._vault import Vault
 from ..errors import CorruptChunkError, InvalidArgumentError, KeyMismatchError, ObjectNotFoundError, PickleNotAllowedError
 from ..rules import any_match
-
-Progress = Callable[[int], None]
-
 
 #: where read_into writes: a record index, or ("base", index) for a residual's keyframe copy
 Dest = int | tuple[str, int]
@@ -112,6 +112,13 @@ def _pieces(tensors: tuple[TensorRecord, ...], key: Dest) -> tuple[Piece, ...]:
     return tensors[key].pieces
 
 
+def read_bytes(manifest: Manifest, keys: Iterable[Dest]) -> int:
+    """What :func:`read_into` with these ``dests`` keys passes to ``progress`` in all: the raw bytes of each chunk
+    holding a piece of them (a packed chunk whole, once)."""
+    chunks = {piece.chunk for key in keys for piece in _pieces(manifest.tensors, key)}
+    return sum(manifest.chunks[c].raw for c in chunks)
+
+
 class LossyReads:
     """Buffers to read lossy records into (stored form, parts, keyframe copy), and their decoding."""
 
@@ -170,11 +177,19 @@ def restore_tree(vault: Vault, manifest: Manifest, keys: Iterable[str] | None, a
     values = {i: empty_like_record(tensors[i].kind, tensors[i].dtype, list(tensors[i].shape))
               for i in needed if i not in lossy.buffers}
     dests: dict[Dest, memoryview | Callable[[], memoryview]] = {i: writable_bytes(v) for i, v in values.items()}
-    read_into(vault, manifest, {**dests, **lossy.dests()}, progress)
+    dests.update(lossy.dests())
+    progress = metered(progress, read_bytes(manifest, dests) + read_bytes(manifest, shard_indices(manifest, selected)))
+    read_into(vault, manifest, dests, progress)
     values.update({i: lossy.decoded(i) for i in needed if i in lossy.buffers})
     values.update(read_sharded(vault, manifest, selected, progress))
     finished = {i: _finish(tensors[i], v) for i, v in values.items()}
     return unflatten(manifest.tree, finished, selected, allow_pickle)
+
+
+def shard_indices(manifest: Manifest, selected: set[str] | None) -> list[int]:
+    """The records :func:`read_sharded` reads: every shard of each selected array stored as shards."""
+    return [index for path, node in leaf_paths(manifest.tree).items()
+            if "shards" in node and (selected is None or path in selected) for index in node["shards"]]
 
 
 def read_sharded(vault: Vault, manifest: Manifest, selected: set[str] | None,
@@ -245,6 +260,31 @@ def restore_into(vault: Vault, manifest: Manifest, into: Any, strict: bool,
     target of the same dtype and shape (:class:`ThroughTemps`). So host memory
     holds only the temporaries being filled, not a copy of the state.
     """
+    plan = plan_into(manifest, into, strict)
+    plan.read(vault, manifest, metered(progress, read_bytes(manifest, plan.dests)))
+    return into
+
+
+@dataclass
+class IntoPlan:
+    """What :func:`restore_into` reads and where (:func:`plan_into`), checked before anything is read."""
+
+    dests: dict[Dest, memoryview | Callable[[], memoryview]]
+    temps: ThroughTemps
+    lossy: LossyReads
+    lossy_targets: dict[int, Any]
+    copies: list[tuple[Any, Any]]  # made after every read, in order: tied tensors' other key paths
+
+    def read(self, vault: Vault, manifest: Manifest, progress: Progress | None) -> None:
+        read_into(vault, manifest, self.dests, progress, self.temps.copy_in)
+        for i, target in self.lossy_targets.items():
+            _copy(target, self.lossy.decoded(i))
+        for target, source in self.copies:
+            _copy(target, source)
+
+
+def plan_into(manifest: Manifest, into: Any, strict: bool) -> IntoPlan:
+    """The reads of :func:`restore_into` (raises KeyMismatchError for missing keys, dtypes and shapes)."""
     targets = dict(_array_leaves(into))
     saved = _saved_array_paths(manifest)
     prefix = _mount_prefix(list(targets), saved, strict, manifest.step)
@@ -259,7 +299,8 @@ def restore_into(vault: Vault, manifest: Manifest, into: Any, strict: bool,
             continue
         target = target.detach() if isinstance(target, torch.Tensor) else target
         record = manifest.tensors[index]
-        _check_target(record, path, target)
+        if _mismatch(record, path, target):
+            continue  # raised below, with every other mismatch, before anything is read
         if index in firsts:  # another key path of a tied tensor (saved once): copied from the first after reading
             if not _same_memory(target, firsts[index]):
                 copies.append((target, firsts[index]))
@@ -271,14 +312,11 @@ def restore_into(vault: Vault, manifest: Manifest, into: Any, strict: bool,
         else:
             dests[index] = temps.add(index, target, record)
         firsts[index] = target
+    check_targets(manifest, ((saved[join_path(prefix, p) if prefix else p], p, t) for p, t in targets.items()
+                             if (join_path(prefix, p) if prefix else p) in saved))
     lossy = LossyReads(manifest.tensors, lossy_targets)
     dests.update(lossy.dests())
-    read_into(vault, manifest, dests, progress, temps.copy_in)
-    for i, target in lossy_targets.items():
-        _copy(target, lossy.decoded(i))
-    for target, source in copies:
-        _copy(target, source)
-    return into
+    return IntoPlan(dests, temps, lossy, lossy_targets, copies)
 
 
 class ThroughTemps:
@@ -347,13 +385,32 @@ def _same_memory(a: Any, b: Any) -> bool:
     return False
 
 
-def _check_target(record: TensorRecord, path: str, target: Any) -> None:
+#: how many dtype or shape mismatches a KeyMismatchError lists ("and N more" for the rest)
+SHOWN_MISMATCHES = 10
+
+
+def _mismatch(record: TensorRecord, path: str, target: Any) -> str | None:
+    """``"'path': saved float32[2, 3], target is float32[3, 2]"`` if the target's dtype or shape differs, else None."""
     shape, dtype = list(target.shape), _dtype_name(target)
     if shape != list(record.shape) or dtype != record.dtype:
-        raise KeyMismatchError(
-            f"{path!r}: saved {record.dtype}{list(record.shape)}, target is {dtype}{shape}; "
-            "restore without into= and convert, or fix the target"
-        )
+        return f"{path!r}: saved {record.dtype}{list(record.shape)}, target is {dtype}{shape}"
+    return None
+
+
+def check_targets(manifest: Manifest, targets: Iterable[tuple[int, str, Any]]) -> None:
+    """One KeyMismatchError listing every (record index, key path in ``into``, target) whose dtype or shape differs
+    from the saved record (the first :data:`SHOWN_MISMATCHES`, then how many more), as ``load_state_dict`` lists
+    them all. Called before anything is read, so a refused target is left unchanged."""
+    found = [m for index, path, target in targets
+             if (m := _mismatch(manifest.tensors[index], path, target.detach() if isinstance(target, torch.Tensor)
+                                else target))]
+    if not found:
+        return
+    more = f"; and {len(found) - SHOWN_MISMATCHES} more" if len(found) > SHOWN_MISMATCHES else ""
+    head = f"{len(found)} into= tensors differ in dtype or shape from the checkpoint of step {manifest.step}: "
+    raise KeyMismatchError(
+        (head if len(found) > 1 else "") + "; ".join(found[:SHOWN_MISMATCHES]) + more
+        + "; restore without into= and convert, or fix the target")
 
 
 def _direct_view(target: Any) -> memoryview | None:
@@ -407,9 +464,20 @@ def _mount_prefix(paths: list[str], saved: dict[str, int], strict: bool, step: i
     missing = [p for p in paths if (join_path(place, p) if place else p) not in saved]
     where = f"under {place!r}" if place else "at its root"
     raise KeyMismatchError(
-        f"into= holds {len(missing)} tensors the checkpoint of step {step} does not ({where}): {missing[:5]}; "
+        f"into= holds {len(missing)} tensors the checkpoint of step {step} does not ({where}): {missing[:5]}"
+        f"{_near(missing[:5], place, saved, set(paths))}; "
         "remove them from into=, or pass strict=False to skip them (they are left unchanged)"
     )
+
+
+def _near(missing: list[str], place: str, saved: dict[str, int], named: set[str]) -> str:
+    """``"; saved keys near them: {'extra.weight': ['0.weight']}"``: for each missing key path (relative to
+    ``into``), the most similar saved key paths under the same mount point ``place`` (relative to it too) that
+    ``into`` does not name already; "" if none is similar."""
+    prefix = f"{place}." if place else ""
+    candidates = [s[len(prefix):] for s in saved if s.startswith(prefix) and s[len(prefix):] not in named]
+    near = {p: close for p in missing if (close := difflib.get_close_matches(p, candidates, n=3, cutoff=0.6))}
+    return f"; saved keys near them: {near}" if near else ""
 
 
 def _found_under(paths: list[str], saved: dict[str, int]) -> dict[str, int]:

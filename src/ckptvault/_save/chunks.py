@@ -26,6 +26,7 @@ from .._codecs import BytePlanes, PlaneDelta, chain_for
 from .._delta.bases import BaseRef, find_bases
 from .._delta.policy import DeltaContext
 from .._delta.reads import base_planes_for_save
+from .._feedback import metered
 from .._format.chunk_object import ChunkHeader, chunk_id, chunk_key, object_parts
 from .._parallel import map_all
 from .._vault import Vault
@@ -84,6 +85,7 @@ def write_chunks(vault: Vault, snapshot: Snapshot, progress: Progress | None = N
     plans, pieces = plan_chunks(specs, chunk_size, pack_threshold(chunk_size))
     bases = find_bases(plans, snapshot.records, delta.keyframe) if delta.keyframe else [None] * len(plans)
     batch = vault.store.write_batch()
+    progress = metered(progress, sum(plan.nbytes for plan in plans))  # every chunk is reported, new or not
     writer = _ChunkWriter(vault, snapshot, progress, delta, batch)
     try:
         results = map_all(vault.pool, writer.write, plans, bases)

@@ -13,6 +13,7 @@ import time
 from dataclasses import replace
 from typing import Any
 
+from .._feedback import warn_at_caller
 from .._format import FORMAT_VERSION, records
 from .._format.chunk_object import CHUNKS_PREFIX, chunk_key
 from .._format.manifest import encode_manifest, manifest_key
@@ -21,7 +22,6 @@ from .._format.schema import MAX_DEPTH, MAX_STEP, too_deep
 from .._parallel import map_all
 from .._vault import Vault
 from .._version import __version__
-from .._warn import warn_at_caller
 from ..errors import InvalidArgumentError, SaveError, StepExistsError
 from ..stores.base import Store
 from .chunking import Piece
