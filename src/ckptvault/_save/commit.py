@@ -45,7 +45,7 @@ def build_manifest(step: int, snapshot: Snapshot, chunks: list[ChunkResult], pie
     against (None: this checkpoint is a keyframe); ``since_keyframe`` counts
     checkpoints since it.
     """
-    table = _ChunkTable()
+    table = ChunkTable()
     remap = [table.add(ChunkRef(c.id, c.raw, c.stored, c.new, c.base)) for c in chunks]
     tensors = tuple(_tensor_record(record, leaf_pieces, remap, table)
                     for record, leaf_pieces in zip(snapshot.records, pieces, strict=True))
@@ -62,7 +62,7 @@ def build_manifest(step: int, snapshot: Snapshot, chunks: list[ChunkResult], pie
         tree=snapshot.tree, tensors=tensors, chunks=tuple(table.entries), requires=requires, version=FORMAT_VERSION)
 
 
-class _ChunkTable:
+class ChunkTable:
     """The manifest's list of unique chunks, built by adding references."""
 
     def __init__(self) -> None:
@@ -70,7 +70,8 @@ class _ChunkTable:
         self._index: dict[str, int] = {}
 
     def add(self, chunk: ChunkRef) -> int:
-        """Index of ``chunk`` in the table, adding it if new (a chunk this save wrote stays marked new)."""
+        """Index of ``chunk`` in the table, adding it if new (a chunk this save wrote, or one rank of it, stays
+        marked new)."""
         index = self._index.get(chunk.id)
         if index is None:
             index = self._index[chunk.id] = len(self.entries)
@@ -80,7 +81,7 @@ class _ChunkTable:
         return index
 
 
-def _tensor_record(record: ArrayRecord, pieces: list[Piece], remap: list[int], table: _ChunkTable) -> TensorRecord:
+def _tensor_record(record: ArrayRecord, pieces: list[Piece], remap: list[int], table: ChunkTable) -> TensorRecord:
     return TensorRecord(
         path=record.path, kind=record.kind, dtype=record.dtype, shape=tuple(record.shape), nbytes=record.nbytes,
         codec=record.codec, pieces=tuple(records.Piece(remap[p.chunk], p.offset, p.length) for p in pieces),
@@ -88,7 +89,7 @@ def _tensor_record(record: ArrayRecord, pieces: list[Piece], remap: list[int], t
         device=None if record.device == "cpu" else record.device, lossy=_lossy_info(record, table))
 
 
-def _lossy_info(record: ArrayRecord, table: _ChunkTable) -> LossyInfo | None:
+def _lossy_info(record: ArrayRecord, table: ChunkTable) -> LossyInfo | None:
     """The record's lossy entry as the manifest holds it: a residual's keyframe copy is named in this manifest's
     own chunk table, so its chunks stay live (DESIGN §12, L4)."""
     if record.lossy is None or not record.keyframe_pieces:

@@ -30,7 +30,7 @@ from .._arrays import torch_dtype
 from .._format import FORMAT_VERSION
 from .._format.records import ChunkRef, Manifest, Node, Piece, TensorRecord
 from .._format.shards import FEATURE, box_of
-from .._save.commit import json_fields
+from .._save.commit import ChunkTable, json_fields
 from .._tree import scalar_value
 from .._version import __version__
 from ..errors import InvalidArgumentError, SaveError
@@ -92,27 +92,12 @@ def _walk(node: Node) -> Iterator[tuple[str, Any]]:
 
 # -- the coordinator: one manifest from every rank's placements ---------------------------------------------------
 
-class _ChunkTable:
-    def __init__(self) -> None:
-        self.entries: list[ChunkRef] = []
-        self._index: dict[str, int] = {}
-
-    def add(self, chunk: ChunkRef) -> int:
-        index = self._index.get(chunk.id)
-        if index is None:
-            index = self._index[chunk.id] = len(self.entries)
-            self.entries.append(chunk)
-        elif chunk.new and not self.entries[index].new:  # written by one rank, found by another
-            self.entries[index] = replace(self.entries[index], new=True)
-        return index
-
-
 def build_manifest(step: int, placements: dict[MetadataIndex, Placement], metadata: Metadata,
                    metrics: dict[str, Any] | None, user_metadata: dict[str, Any] | None) -> Manifest:
     """The manifest of every rank's items: records in the state's order (the shards of a tensor by offsets),
     chunks once each, the tree nested by DCP's paths. Raises SaveError if the placements do not match
     the metadata (an item no rank wrote)."""
-    table, tensors = _ChunkTable(), list[TensorRecord]()
+    table, tensors = ChunkTable(), list[TensorRecord]()
     nodes: dict[str, Node] = {}
     mapping = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
     # the state's own order: DCP's flatten mapping follows it, its metadata lists the items rank by rank
