@@ -225,6 +225,10 @@ def test_step_of_finds_a_pinned_step_for_restore_and_names_the_tags_otherwise(tm
         mgr.pin(1, "release")
         assert mgr.step_of("best") == 2
         assert torch.equal(mgr.restore(mgr.step_of("best"))["model"]["fc.weight"], torch.full((8, 4), 2.0))
+        assert torch.equal(mgr.restore("best")["model"]["fc.weight"], torch.full((8, 4), 2.0))  # a tag for a step
+        assert mgr.info("release").step == 1 and mgr.manifest("best")["step"] == 2
+        with pytest.raises(PinNotFoundError, match="tags in use: best, release"):
+            mgr.restore("nope")
         with pytest.raises(PinNotFoundError, match=r"tags in use: best, release\. Pin one with mgr.pin") as caught:
             mgr.step_of("nope")
         assert isinstance(caught.value, LookupError)

@@ -187,19 +187,19 @@ class CheckpointManager(MaintenanceMixin):
         steps = self.steps()
         return steps[-1] if steps else None
 
-    def info(self, step: int | None = None) -> CheckpointInfo:
-        """Statistics, metrics and metadata of ``step`` (default: latest)."""
+    def info(self, step: int | str | None = None) -> CheckpointInfo:
+        """Statistics, metrics and metadata of ``step`` (a step or a pin tag; default: latest)."""
         return info_from_manifest(self.vault.read_manifest(self._resolve(step)))
 
-    def manifest(self, step: int | None = None) -> dict[str, Any]:
-        """The verified manifest body of ``step`` (default: latest), as the JSON object docs/DESIGN.md section 4
-        describes (for tools; ``info`` gives the same as typed values)."""
+    def manifest(self, step: int | str | None = None) -> dict[str, Any]:
+        """The verified manifest body of ``step`` (a step or a pin tag; default: latest), as the JSON object
+        docs/DESIGN.md section 4 describes (for tools; ``info`` gives the same as typed values)."""
         return self.vault.read_manifest(self._resolve(step)).to_json()
 
     # -- restoring ---------------------------------------------------------
     def restore(
         self,
-        step: int | None = None,
+        step: int | str | None = None,
         *,
         into: Any = None,
         keys: Iterable[str] | str | None = None,
@@ -207,7 +207,8 @@ class CheckpointManager(MaintenanceMixin):
         allow_pickle: bool = False,
         progress: Progress | None = None,
     ) -> Any:
-        """Restore ``step`` (default: latest).
+        """Restore ``step``: a step, a pin tag (``restore("best")`` after ``pin(200, "best")``: the newest step
+        pinned so), or None for the latest.
 
         Without ``into``: a new state with the saved structure and types
         (``keys`` limits it to matching key paths; only those are read).
@@ -277,9 +278,12 @@ class CheckpointManager(MaintenanceMixin):
         steps = [check_step(step)] if step is not None else self.steps()
         return verify_steps(self.vault, steps, progress)
 
-    def _resolve(self, step: int | None) -> int:
-        """The step to read (default: latest committed); waits if it is the save in flight."""
+    def _resolve(self, step: int | str | None) -> int:
+        """The step to read: a step, a pin tag (its step: :meth:`step_of`), or None (the latest committed); waits
+        if it is the save in flight."""
         self._check_open("restore(), info() or manifest()")
+        if isinstance(step, str):
+            step = self.step_of(step)
         if step is not None and step == self._saver.inflight_step:
             self._saver.wait()
         if step is not None:

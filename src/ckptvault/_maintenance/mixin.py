@@ -51,7 +51,8 @@ class MaintenanceMixin:
         return _pins.list_pins(self.vault)
 
     def step_of(self, tag: str) -> int:
-        """The committed step pinned under ``tag`` (the newest, if several are): ``mgr.restore(mgr.step_of("best"))``.
+        """The committed step pinned under ``tag`` (the newest, if several are); ``restore``, ``info`` and
+        ``manifest`` take a tag for it.
 
         Raises PinNotFoundError (listing the tags in use) if no committed checkpoint has that pin.
         """
