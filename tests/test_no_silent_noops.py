@@ -229,6 +229,9 @@ def test_step_of_finds_a_pinned_step_for_restore_and_names_the_tags_otherwise(tm
         assert mgr.info("release").step == 1 and mgr.manifest("best")["step"] == 2
         with pytest.raises(PinNotFoundError, match="tags in use: best, release"):
             mgr.restore("nope")
+        with pytest.raises(InvalidArgumentError, match=r"got '2': pass int\('2'\) for that step, or "
+                                                       r"mgr.step_of\('2'\) for a pin tag of digits"):
+            mgr.restore("2")  # text of a step number is not taken for a tag
         with pytest.raises(PinNotFoundError, match=r"tags in use: best, release\. Pin one with mgr.pin") as caught:
             mgr.step_of("nope")
         assert isinstance(caught.value, LookupError)

@@ -14,6 +14,7 @@ from ._codecs.planes import load_kernels_in_background
 from ._delta.policy import DeltaPolicy
 from ._feedback import reissue_deferred
 from ._format.manifest import manifest_key
+from ._format.schema import MAX_STEP
 from ._maintenance.mixin import MaintenanceMixin, apply_retention
 from ._maintenance.retention import Policy, Retention
 from ._reports.verify import VerifyReport, verify_steps
@@ -282,6 +283,9 @@ class CheckpointManager(MaintenanceMixin):
         """The step to read: a step, a pin tag (its step: :meth:`step_of`), or None (the latest committed); waits
         if it is the save in flight."""
         self._check_open("restore(), info() or manifest()")
+        if isinstance(step, str) and step.isdigit():  # a step number as text, more likely than a tag of digits
+            raise InvalidArgumentError(f"step must be an int from 0 to {MAX_STEP} (20 digits), got {step!r}: pass "
+                                       f"int({step!r}) for that step, or mgr.step_of({step!r}) for a pin tag of digits")
         if isinstance(step, str):
             step = self.step_of(step)
         if step is not None and step == self._saver.inflight_step:
