@@ -358,7 +358,7 @@ def test_an_unexpected_failure_of_retention_is_reported_typed_after_the_commit(
     close as a SaveError that says the checkpoint itself was committed; the checkpoint is kept."""
     import ckptvault.manager
 
-    def broken(vault: object, retention: object, step: int) -> None:
+    def broken(vault: object, retention: object, step: int, exclusive: bool = False) -> None:
         raise RuntimeError("retention bug")
 
     monkeypatch.setattr(ckptvault.manager, "apply_retention", broken)

@@ -11,9 +11,26 @@ fault: retrying the same call may succeed) and :class:`PermanentStorageError`
 
 from __future__ import annotations
 
+from typing import Any
+
+
+def _rebuild(cls: type[BaseException], args: tuple[Any, ...], state: dict[str, Any]) -> BaseException:
+    """An unpickled error: its class, message and attributes, without calling its ``__init__``."""
+    exc = cls.__new__(cls)
+    exc.args = args
+    exc.__dict__.update(state)
+    return exc
+
 
 class VaultError(Exception):
-    """Base class of every error ckptvault raises on purpose."""
+    """Base class of every error ckptvault raises on purpose.
+
+    Every one pickles as itself, although most take other ``__init__`` arguments than their message
+    (``StepExistsError(step, url)``): torch.distributed sends a failed rank's exception to the others by pickle,
+    and so do process pools."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _rebuild, (type(self), self.args, dict(vars(self)))
 
 
 class VaultNotFoundError(VaultError, FileNotFoundError):

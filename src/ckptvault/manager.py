@@ -155,7 +155,7 @@ class CheckpointManager(MaintenanceMixin):
             raise StepExistsError(step, self.url)
         rules = CodecRules(self._codec_rules, desc.codec if self._codec is None else self._codec,
                            check_unmatched=not self._rules_checked)
-        metrics, metadata = json_fields(metrics, "metrics"), json_fields(metadata, "metadata")  # fail here, not later
+        metrics, metadata = json_fields(metrics, "metrics"), json_fields(metadata, "metadata")  # here, once: fail before any work
         request = SaveRequest(step, metrics, metadata, overwrite, progress, rules.default)
         with critical(self._preemption):  # a handled signal arriving inside acts once this returns
             handle = self._saver.submit(request, state, rules, allow_pickle)
@@ -164,11 +164,8 @@ class CheckpointManager(MaintenanceMixin):
         return handle
 
     def _after_commit(self, step: int) -> None:
-        if self.retention is not None:  # only now that the checkpoint is durable
-            if self.exclusive:  # also frees the chunks its prune released, at once (DESIGN G6)
-                apply_retention(self.vault, self.retention, step, exclusive=True)
-            else:
-                apply_retention(self.vault, self.retention, step)
+        if self.retention is not None:  # only now that the checkpoint is durable; exclusive: DESIGN G6
+            apply_retention(self.vault, self.retention, step, exclusive=self.exclusive)
 
     def wait(self) -> None:
         """Wait until every save in flight is committed; raise the error of any failed save."""

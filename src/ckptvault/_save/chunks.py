@@ -71,6 +71,7 @@ def _full(planes: BytePlanes, raw: memoryview, parts: list[Any]) -> tuple[ChunkH
 #: finds a chunk there (``_ChunkWriter._should_probe``)
 PROBE_MISSES = 8
 
+
 def pack_threshold(chunk_size: int) -> int:
     """Arrays smaller than this share chunks with other small arrays."""
     return chunk_size // 4

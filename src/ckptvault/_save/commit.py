@@ -37,12 +37,12 @@ LIST_PER_PROBE = 10
 
 
 def build_manifest(step: int, snapshot: Snapshot, chunks: list[ChunkResult], pieces: list[list[Piece]],
-                   metrics: dict[str, Any] | None, metadata: dict[str, Any] | None,
+                   metrics: dict[str, Any], metadata: dict[str, Any],
                    keyframe_step: int | None = None, since_keyframe: int = 0) -> Manifest:
     """The manifest: every tensor, the unique chunks they use, and the statistics.
 
-    ``keyframe_step`` is the keyframe whose chunks this checkpoint's deltas are
-    against (None: this checkpoint is a keyframe); ``since_keyframe`` counts
+    ``metrics`` and ``metadata`` as :func:`json_fields` returned them. ``keyframe_step`` is the keyframe whose
+    chunks this checkpoint's deltas are against (None: this checkpoint is a keyframe); ``since_keyframe`` counts
     checkpoints since it.
     """
     table = ChunkTable()
@@ -51,15 +51,23 @@ def build_manifest(step: int, snapshot: Snapshot, chunks: list[ChunkResult], pie
                     for record, leaf_pieces in zip(snapshot.records, pieces, strict=True))
     requires = tuple(feature for feature, used in (("lossy", any(t.lossy is not None for t in tensors)),
                                                    ("xplanes", any(c.base for c in table.entries))) if used)
-    return Manifest(  # a reader without the features in ``requires`` must refuse, not misread (DESIGN §4)
-        step=step, time=time.time(), writer=f"ckptvault {__version__}",
-        pickle=snapshot.allow_pickle and any(r.kind == "pickle" for r in snapshot.records),
-        logical_bytes=snapshot.logical_bytes, stored_bytes=sum(c.stored for c in table.entries),
-        added_bytes=sum(c.stored for c in table.entries if c.new),
-        metrics=json_fields(metrics, "metrics"), metadata=json_fields(metadata, "metadata"),
+    return new_manifest(
+        step, table, tensors, tree=snapshot.tree, logical_bytes=snapshot.logical_bytes, metrics=metrics,
+        metadata=metadata, pickle=snapshot.allow_pickle and any(r.kind == "pickle" for r in snapshot.records),
         keyframe_step=step if keyframe_step is None else keyframe_step,
-        since_keyframe=0 if keyframe_step is None else since_keyframe,
-        tree=snapshot.tree, tensors=tensors, chunks=tuple(table.entries), requires=requires, version=FORMAT_VERSION)
+        since_keyframe=0 if keyframe_step is None else since_keyframe, requires=requires)
+
+
+def new_manifest(step: int, table: ChunkTable, tensors: tuple[TensorRecord, ...], *, tree: Any, logical_bytes: int,
+                 metrics: dict[str, Any], metadata: dict[str, Any], pickle: bool, keyframe_step: int,
+                 since_keyframe: int, requires: tuple[str, ...]) -> Manifest:
+    """A manifest of ``tensors`` over the chunks of ``table``, written now by this version: the stored and added
+    bytes follow from the table. ``requires``: the features a reader must know, or refuse it (DESIGN §4)."""
+    return Manifest(
+        step=step, time=time.time(), writer=f"ckptvault {__version__}", pickle=pickle, logical_bytes=logical_bytes,
+        stored_bytes=sum(c.stored for c in table.entries), added_bytes=sum(c.stored for c in table.entries if c.new),
+        metrics=metrics, metadata=metadata, keyframe_step=keyframe_step, since_keyframe=since_keyframe,
+        tree=tree, tensors=tensors, chunks=tuple(table.entries), requires=requires, version=FORMAT_VERSION)
 
 
 class ChunkTable:

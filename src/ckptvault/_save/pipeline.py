@@ -52,8 +52,8 @@ Progress = Callable[[int], None]
 @dataclass
 class SaveRequest:
     step: int
-    metrics: dict[str, Any] | None
-    metadata: dict[str, Any] | None
+    metrics: dict[str, Any]  # as json_fields returned them
+    metadata: dict[str, Any]
     overwrite: bool
     progress: Progress | None
     lossless: str = "zstd"  # the lossless codec that "lossless" and bare lossy rules use

@@ -15,10 +15,7 @@ other storage too. ``CheckpointManager(url).restore(step)`` reads such a checkpo
 each tensor whole, nested as the state given to ``dcp.save``. Errors: see ``ckptvault.distributed.dcp``.
 """
 
-from ._portable import register as _register_portable_errors
 from .dcp import VaultReader, VaultWriter
 from .planners import VaultLoadPlanner, VaultSavePlanner
 
 __all__ = ["VaultLoadPlanner", "VaultReader", "VaultSavePlanner", "VaultWriter"]
-
-_register_portable_errors()

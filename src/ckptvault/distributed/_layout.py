@@ -11,7 +11,6 @@ The tree is the nested state dict DCP flattened: a dict node per mapping (its ke
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import Any
@@ -27,12 +26,10 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from .._arrays import torch_dtype
-from .._format import FORMAT_VERSION
 from .._format.records import ChunkRef, Manifest, Node, Piece, TensorRecord
 from .._format.shards import FEATURE, box_of
-from .._save.commit import ChunkTable, json_fields
+from .._save.commit import ChunkTable, new_manifest
 from .._tree import scalar_value
-from .._version import __version__
 from ..errors import InvalidArgumentError, SaveError
 
 #: a DCP object path: mapping keys (str) and list indices (int)
@@ -93,7 +90,7 @@ def _walk(node: Node) -> Iterator[tuple[str, Any]]:
 # -- the coordinator: one manifest from every rank's placements ---------------------------------------------------
 
 def build_manifest(step: int, placements: dict[MetadataIndex, Placement], metadata: Metadata,
-                   metrics: dict[str, Any] | None, user_metadata: dict[str, Any] | None) -> Manifest:
+                   metrics: dict[str, Any], user_metadata: dict[str, Any]) -> Manifest:
     """The manifest of every rank's items: records in the state's order (the shards of a tensor by offsets),
     chunks once each, the tree nested by DCP's paths. Raises SaveError if the placements do not match
     the metadata (an item no rank wrote)."""
@@ -118,13 +115,9 @@ def build_manifest(step: int, placements: dict[MetadataIndex, Placement], metada
     if missing:
         raise SaveError(f"no rank wrote {missing[:5]} ({len(missing)} of DCP's keys); nothing was committed")
     tree = nested_tree({fqn: (tuple(mapping.get(fqn, (fqn,))), node) for fqn, node in nodes.items()})
-    entries = table.entries
-    return Manifest(
-        step=step, time=time.time(), writer=f"ckptvault {__version__}", pickle=any(t.kind == "pickle" for t in tensors),
-        logical_bytes=sum(t.nbytes for t in tensors), stored_bytes=sum(c.stored for c in entries),
-        added_bytes=sum(c.stored for c in entries if c.new), metrics=json_fields(metrics, "metrics"),
-        metadata=json_fields(user_metadata, "metadata"), keyframe_step=step, since_keyframe=0, tree=tree,
-        tensors=tuple(tensors), chunks=tuple(entries), requires=(FEATURE,), version=FORMAT_VERSION)
+    return new_manifest(step, table, tuple(tensors), tree=tree, logical_bytes=sum(t.nbytes for t in tensors),
+                        metrics=metrics, metadata=user_metadata, pickle=any(t.kind == "pickle" for t in tensors),
+                        keyframe_step=step, since_keyframe=0, requires=(FEATURE,))
 
 
 def nested_tree(leaves: dict[str, tuple[KeyPath, Node]]) -> Node:

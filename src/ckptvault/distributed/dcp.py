@@ -19,7 +19,7 @@ every rank, with the rank's exception in ``failures`` (rank -> (exception, trace
 from BaseException, not Exception: catch it by name. The exceptions inside are ckptvault's typed errors (a
 :class:`~ckptvault.errors.SaveError` naming the rank and the cause for anything unexpected,
 :class:`~ckptvault.errors.StepExistsError`, :class:`~ckptvault.errors.UnsupportedObjectError` naming the key, storage
-errors, ...), picklable across ranks (``_portable.py``). A failure to read the manifest reaches DCP's loader as an
+errors, ...), picklable across ranks (``VaultError.__reduce__``). A failure to read the manifest reaches DCP's loader as an
 ``AssertionError("metadata is None; global metadata read failed: <the error>")``.
 """
 
@@ -116,7 +116,41 @@ def _typed_errors(what: str) -> Iterator[None]:
         raise SaveError(f"{what}: {type(exc).__name__}: {exc}") from exc
 
 
-class VaultWriter(StorageWriter):
+class _OnVault:
+    """What VaultWriter and VaultReader share: the vault they open lazily (its thread pool released by
+    :meth:`close`, reopened by the next call) and the step DCP's ``checkpoint_id`` may name."""
+
+    url: Url
+    step: int | None
+    storage_options: StorageOptions | None
+    workers: int | None
+    _vault: Vault | None
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        """False: DCP cannot pick a vault by itself (pass ``storage_writer=VaultWriter(url, step)`` or
+        ``storage_reader=VaultReader(url, step)``)."""
+        return False
+
+    def reset(self, checkpoint_id: Any = None) -> None:
+        """A new save or load: of step ``checkpoint_id`` if given (an int), else of the step given when made."""
+        self.close()
+        if checkpoint_id is not None:
+            self.step = _step_of(checkpoint_id)
+
+    def _open(self) -> Vault:
+        if self._vault is None:
+            self._vault = Vault(self.url, self.storage_options, self.workers)
+        return self._vault
+
+    def close(self) -> None:
+        """Release the vault's threads (the next call reopens it)."""
+        if self._vault is not None:
+            vault, self._vault = self._vault, None
+            vault.close()
+
+
+class VaultWriter(_OnVault, StorageWriter):
     """Save a DCP checkpoint as step ``step`` of the vault at ``url`` (a path, ``memory://``, ``s3://``... or a Store).
 
     ``dcp.save(state, storage_writer=VaultWriter(url, step))`` on every rank (each with its own writer). DCP's call
@@ -128,6 +162,8 @@ class VaultWriter(StorageWriter):
     values holding objects that need pickle are an UnsupportedObjectError naming the key unless ``allow_pickle``
     (loading them then needs it too). A writer may be used for one save after another (``checkpoint_id=step``).
     """
+
+    step: int
 
     def __init__(self, url: Url, step: int, *, overwrite: bool = False, allow_pickle: bool = False,
                  codec: str | None = None, chunk_size: int | None = None, storage_options: StorageOptions | None = None,
@@ -144,17 +180,6 @@ class VaultWriter(StorageWriter):
         self.metrics, self.metadata = json_fields(metrics, "metrics"), json_fields(metadata, "metadata")
         self.is_coordinator, self.rank = False, 0
         self._vault: Vault | None = None
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        """False: DCP cannot pick a vault by itself (pass ``storage_writer=VaultWriter(url, step)``)."""
-        return False
-
-    def reset(self, checkpoint_id: Any = None) -> None:
-        """A new save: of step ``checkpoint_id`` if given (an int), else of the writer's step."""
-        self.close()
-        if checkpoint_id is not None:
-            self.step = _step_of(checkpoint_id)
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.is_coordinator, self.rank = is_coordinator, int(kwargs.get("rank", 0) or 0)
@@ -251,16 +276,6 @@ class VaultWriter(StorageWriter):
         _check_before_commit(manifest, vault)
         commit(vault, self.step, manifest, self.overwrite)
 
-    def _open(self) -> Vault:
-        if self._vault is None:
-            self._vault = Vault(self.url, self.storage_options, self.workers)
-        return self._vault
-
-    def close(self) -> None:
-        """Release the vault's threads (DCP's calls reopen it as needed)."""
-        if self._vault is not None:
-            vault, self._vault = self._vault, None
-            vault.close()
 
 
 def _shard(item: WriteItem, value: Any) -> torch.Tensor:
@@ -310,7 +325,7 @@ def _check_before_commit(manifest: Manifest, vault: Vault) -> None:
         raise SaveError(f"{exc}; nothing was committed") from exc
 
 
-class VaultReader(StorageReader):
+class VaultReader(_OnVault, StorageReader):
     """Load step ``step`` (default: the latest) of the vault at ``url`` with DCP, at any world size.
 
     ``dcp.load(state, storage_reader=VaultReader(url, step))`` on every rank. Reads a checkpoint VaultWriter saved,
@@ -332,17 +347,9 @@ class VaultReader(StorageReader):
         self._manifest: Manifest | None = None
         self._layout: Layout | None = None
 
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        """False: DCP cannot pick a vault by itself (pass ``storage_reader=VaultReader(url, step)``)."""
-        return False
-
     def reset(self, checkpoint_id: Any = None) -> None:
-        """A new load: of step ``checkpoint_id`` if given (an int), else of the reader's step."""
-        self.close()
+        super().reset(checkpoint_id)
         self._manifest = self._layout = None
-        if checkpoint_id is not None:
-            self.step = _step_of(checkpoint_id)
 
     def read_metadata(self) -> Metadata:
         """DCP's Metadata of the step, from its verified manifest (``_layout.dcp_layout``)."""
@@ -409,16 +416,6 @@ class VaultReader(StorageReader):
         arrays = _read_records(self._open(), self._manifest, indices) if indices else {}
         return unflatten(node, arrays, allow_pickle=self.allow_pickle)
 
-    def _open(self) -> Vault:
-        if self._vault is None:
-            self._vault = Vault(self.url, self.storage_options, self.workers)
-        return self._vault
-
-    def close(self) -> None:
-        """Release the vault's threads (the next call reopens it)."""
-        if self._vault is not None:
-            vault, self._vault = self._vault, None
-            vault.close()
 
 
 def _batches(manifest: Manifest, indices: list[int]) -> list[list[int]]:
