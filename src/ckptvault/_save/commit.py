@@ -188,7 +188,7 @@ def json_fields(values: dict[str, Any] | None, what: str) -> dict[str, Any]:
     cleaned = {k: (float(v) if _is_number_like(v) else v) for k, v in values.items()}
     if what == "metrics":
         found: list[str] = []
-        cleaned = {k: _non_finite_as_str(v, k, found) for k, v in cleaned.items()}
+        cleaned = {k: non_finite_as_str(v, k, found) for k, v in cleaned.items()}
         if found:
             what_is = f"metric {found[0]} is not a finite number" if len(found) == 1 else \
                 f"metrics {', '.join(found)} are not finite numbers"
@@ -206,16 +206,17 @@ def json_fields(values: dict[str, Any] | None, what: str) -> dict[str, Any]:
     return cleaned
 
 
-def _non_finite_as_str(value: Any, path: str, found: list[str]) -> Any:
-    """``value`` with every non-finite float (also inside lists and dicts) as ``"nan"``, ``"inf"`` or ``"-inf"``;
-    the key path of each goes to ``found``."""
+def non_finite_as_str(value: Any, path: str = "", found: list[str] | None = None) -> Any:
+    """``value`` with every non-finite float (also inside lists and dicts) as ``"nan"``, ``"inf"`` or ``"-inf"``,
+    as manifests keep metrics (strict JSON); the key path of each goes to ``found`` if given."""
     if isinstance(value, float) and not math.isfinite(value):
-        found.append(f"{path}={value}")
+        if found is not None:
+            found.append(f"{path}={value}")
         return str(value)
     if isinstance(value, dict):
-        return {k: _non_finite_as_str(v, f"{path}.{k}", found) for k, v in value.items()}
+        return {k: non_finite_as_str(v, f"{path}.{k}", found) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_non_finite_as_str(v, f"{path}[{i}]", found) for i, v in enumerate(value)]
+        return [non_finite_as_str(v, f"{path}[{i}]", found) for i, v in enumerate(value)]
     return value
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import math
 import time
 from typing import Any
 
@@ -12,6 +11,7 @@ import click
 from .._format.records import Manifest
 from .._maintenance.retention import RetentionInfo, decide
 from .._reports.usage import VaultUsage, vault_usage
+from .._save.commit import non_finite_as_str
 from ..errors import VaultError
 from ..info import CheckpointInfo, TensorInfo, info_from_manifest
 from ..rules import any_match
@@ -39,7 +39,7 @@ def info_json(info: CheckpointInfo) -> dict[str, Any]:
         "step": info.step, "time": info.time, "time_iso": iso_time(info.time), "logical_bytes": info.logical_bytes,
         "stored_bytes": info.stored_bytes, "added_bytes": info.added_bytes, "ratio": info.ratio,
         "compression": compression(info), "num_chunks": info.num_chunks, "num_tensors": len(info.tensors),
-        "metrics": _json_safe(info.metrics), "metadata": info.metadata,
+        "metrics": non_finite_as_str(info.metrics), "metadata": info.metadata,
     }
 
 
@@ -51,17 +51,6 @@ def compression(info: CheckpointInfo) -> float:
 def compression_label(info: CheckpointInfo) -> str:
     """``"1.16x"``: logical / stored, the COMPRESSION column of ``ls``."""
     return f"{compression(info):.2f}x"
-
-
-def _json_safe(value: Any) -> Any:
-    """``value`` with non-finite floats as strings, so ``--json`` output stays strict JSON."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
-    if isinstance(value, dict):
-        return {k: _json_safe(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_json_safe(v) for v in value]
-    return value
 
 
 def kept_reasons(manifests: list[Manifest], pins: dict[int, frozenset[str]]) -> dict[int, list[str]]:
