@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .._format.records import LossyInfo, Manifest, TensorRecord
+from .._format.shards import box_of
 from .._save.chunking import ChunkPlan
 from .._save.snapshot import ArrayRecord
 
@@ -22,18 +23,21 @@ class BaseRef:
 def find_bases(plans: list[ChunkPlan], records: list[ArrayRecord], keyframe: Manifest) -> list[BaseRef | None]:
     """For each planned chunk, the keyframe chunk that held exactly the same region, if any.
 
-    A region matches when every array in the chunk has the same key path,
-    dtype and shape in the keyframe and sits at the same offset of one full
-    (non-delta) keyframe chunk of the same length.
+    A region matches when every array in the chunk has the same key path
+    (and, for a shard, the same offsets in its global array), dtype and shape in
+    the keyframe and sits at the same offset of one full (non-delta) keyframe
+    chunk of the same length.
     """
-    by_path = {t.path: t for t in keyframe.tensors}
+    by_path = {(t.path, box_of(t)[1]): t for t in keyframe.tensors}
     chunks = keyframe.chunks
     bases: list[BaseRef | None] = []
     for plan in plans:
         candidate: int | None = None
         offset = 0
         for source in plan.sources:
-            located = _locate(by_path.get(records[source.leaf].path), records[source.leaf], source.start, source.length)
+            record = records[source.leaf]
+            box = record.offsets if record.offsets is not None else (0,) * len(record.shape)
+            located = _locate(by_path.get((record.path, box)), record, source.start, source.length)
             if located is None or located[1] != offset or candidate not in (None, located[0]):
                 candidate = None
                 break

@@ -48,6 +48,8 @@ class ArrayRecord:
     #: names in ``keyframe_pieces`` until the commit indexes them in its chunk table
     lossy: LossyInfo | None = None
     keyframe_pieces: tuple[KeyframePiece, ...] = ()
+    #: where a shard's box starts in its global array (DCP saves); None: the record is the whole array
+    offsets: tuple[int, ...] | None = None
 
     @property
     def logical_nbytes(self) -> int:

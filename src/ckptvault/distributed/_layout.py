@@ -90,7 +90,8 @@ def _walk(node: Node) -> Iterator[tuple[str, Any]]:
 # -- the coordinator: one manifest from every rank's placements ---------------------------------------------------
 
 def build_manifest(step: int, placements: dict[MetadataIndex, Placement], metadata: Metadata,
-                   metrics: dict[str, Any], user_metadata: dict[str, Any]) -> Manifest:
+                   metrics: dict[str, Any], user_metadata: dict[str, Any], keyframe_step: int | None = None,
+                   since_keyframe: int = 0) -> Manifest:
     """The manifest of every rank's items: records in the state's order (the shards of a tensor by offsets),
     chunks once each, the tree nested by DCP's paths. Raises SaveError if the placements do not match
     the metadata (an item no rank wrote)."""
@@ -117,7 +118,8 @@ def build_manifest(step: int, placements: dict[MetadataIndex, Placement], metada
     tree = nested_tree({fqn: (tuple(mapping.get(fqn, (fqn,))), node) for fqn, node in nodes.items()})
     return new_manifest(step, table, tuple(tensors), tree=tree, logical_bytes=sum(t.nbytes for t in tensors),
                         metrics=metrics, metadata=user_metadata, pickle=any(t.kind == "pickle" for t in tensors),
-                        keyframe_step=step, since_keyframe=0, requires=(FEATURE,))
+                        keyframe_step=step if keyframe_step is None else keyframe_step,
+                        since_keyframe=since_keyframe, requires=(FEATURE,))
 
 
 def nested_tree(leaves: dict[str, tuple[KeyPath, Node]]) -> Node:

@@ -28,7 +28,7 @@ from __future__ import annotations
 import io
 import os
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Any
@@ -46,6 +46,7 @@ from torch.distributed.checkpoint.planner import (
     WriteItem,
     WriteItemType,
 )
+from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
@@ -60,13 +61,17 @@ from .._arrays import (
     writable_bytes,
 )
 from .._codecs import DEFAULT_CODEC, validate_codec_name
+from .._codecs.lossy import parse_codec
+from .._delta.policy import DeltaContext, DeltaPolicy, delta_context
 from .._format import records
+from .._format.keys import step_of_manifest_key
 from .._format.manifest import manifest_key
 from .._format.records import ChunkRef, Manifest, Node, TensorRecord
 from .._format.schema import check_manifest
 from .._restore.tensors import Dest, LossyReads, read_into
 from .._save.chunks import write_chunks
 from .._save.commit import check_step, commit, json_fields
+from .._save.guard import ManifestGuard
 from .._save.snapshot import ArrayRecord, Snapshot
 from .._tree import Flattener, Leaf, leaf_paths, unflatten
 from .._vault import Vault
@@ -80,8 +85,11 @@ from ..errors import (
     VaultError,
     VaultNotFoundError,
 )
+from ..options import DeltaOptions
+from ..rules import CodecRules
 from ..stores import StorageOptions, Store
 from ._layout import Layout, Placement, build_manifest, dcp_layout, leaf_indices, renumber
+from ._staging import HostStaging
 
 Url = str | os.PathLike[str] | Store
 #: bytes of shards a reader holds at once (more only when one shard is larger)
@@ -90,11 +98,16 @@ READ_BATCH_BYTES = 256 << 20
 
 @dataclass(frozen=True)
 class _VaultPlan:
-    """What the coordinator tells every rank (``SavePlan.storage_data``): the step, and the vault it created."""
+    """What the coordinator tells every rank (``SavePlan.storage_data``): the step, the vault it created, and the
+    delta decision made once for all ranks: the keyframe to encode against (None: this save is a keyframe), and
+    the manifests read for it as stat'ed (key -> (size, mtime)), whose chunks the ranks reuse without a touch."""
 
     step: int
     chunk_size: int
     codec: str
+    keyframe_step: int | None = None
+    since_keyframe: int = 0
+    watched: tuple[tuple[str, tuple[int, float]], ...] = ()
 
 
 def _step_of(checkpoint_id: Any) -> int:
@@ -138,7 +151,12 @@ class _OnVault:
         if checkpoint_id is not None:
             self.step = _step_of(checkpoint_id)
 
+    #: a vault lent by its owner (a CheckpointManager): used as it is, never closed here
+    _lent: Vault | None = None
+
     def _open(self) -> Vault:
+        if self._lent is not None:
+            return self._lent
         if self._vault is None:
             self._vault = Vault(self.url, self.storage_options, self.workers)
         return self._vault
@@ -150,7 +168,7 @@ class _OnVault:
             vault.close()
 
 
-class VaultWriter(_OnVault, StorageWriter):
+class VaultWriter(_OnVault, StorageWriter, AsyncStager):
     """Save a DCP checkpoint as step ``step`` of the vault at ``url`` (a path, ``memory://``, ``s3://``... or a Store).
 
     ``dcp.save(state, storage_writer=VaultWriter(url, step))`` on every rank (each with its own writer). DCP's call
@@ -161,25 +179,51 @@ class VaultWriter(_OnVault, StorageWriter):
     ``metrics`` and ``metadata`` are JSON objects for the manifest, as in ``CheckpointManager.save``. Non-tensor
     values holding objects that need pickle are an UnsupportedObjectError naming the key unless ``allow_pickle``
     (loading them then needs it too). A writer may be used for one save after another (``checkpoint_id=step``).
+
+    ``incremental`` and ``delta`` as for CheckpointManager: the coordinator decides once whether the save is a
+    keyframe and, if not, every rank stores each changed chunk of its shards as a delta against the chunk of the
+    keyframe that held the same region of the same shard (key path and offsets). ``codec_rules`` choose a lossless
+    codec per key path (lossy codecs are not available for shards: InvalidArgumentError). As DCP's ``AsyncStager``,
+    ``dcp.async_save(state, storage_writer=writer)`` waits only for :meth:`stage`, a host copy of this rank's
+    tensors in buffers the writer keeps for its next save.
     """
 
     step: int
 
     def __init__(self, url: Url, step: int, *, overwrite: bool = False, allow_pickle: bool = False,
-                 codec: str | None = None, chunk_size: int | None = None, storage_options: StorageOptions | None = None,
+                 codec: str | None = None, codec_rules: Mapping[str, str] | Iterable[tuple[str, str]] | None = None,
+                 chunk_size: int | None = None, storage_options: StorageOptions | None = None,
                  workers: int | None = None, metrics: dict[str, Any] | None = None,
-                 metadata: dict[str, Any] | None = None) -> None:
+                 metadata: dict[str, Any] | None = None, incremental: bool = True,
+                 delta: DeltaOptions | None = None) -> None:
         super().__init__()
         check_kind("overwrite", overwrite, bool)
         check_kind("allow_pickle", allow_pickle, bool)
         check_kind("codec", codec, str, type(None))
+        check_kind("delta", delta, DeltaOptions, type(None))
         if codec is not None:
             validate_codec_name(codec)
+        self.codec_rules = _lossless_rules(codec_rules, codec)
         self.url, self.step, self.overwrite, self.allow_pickle = url, check_step(step), overwrite, allow_pickle
         self.codec, self.chunk_size, self.storage_options, self.workers = codec, chunk_size, storage_options, workers
         self.metrics, self.metadata = json_fields(metrics, "metrics"), json_fields(metadata, "metadata")
+        delta = delta or DeltaOptions()
+        self.delta_policy = DeltaPolicy(incremental, delta.keyframe_every, delta.keyframe_growth)
         self.is_coordinator, self.rank = False, 0
         self._vault: Vault | None = None
+        self._delta: DeltaContext | None = None  # the coordinator's, from prepare_global_plan to finish
+        self._manifests: dict[tuple[str, tuple[int, float]], Manifest] = {}  # read for deltas, by key and stat
+        self._staging = HostStaging()
+        self.manifest: Manifest | None = None  # the coordinator's last committed manifest
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """DCP's AsyncStager: a copy of ``state_dict`` whose tensors (a DTensor's local shard) are in host buffers
+        this writer keeps for its next save, so training may change the state once this returns."""
+        staged: dict[str, Any] = self._staging.stage(state_dict)
+        return staged
+
+    def synchronize_staging(self) -> None:
+        """Nothing to wait for: :meth:`stage` copies before it returns."""
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.is_coordinator, self.rank = is_coordinator, int(kwargs.get("rank", 0) or 0)
@@ -195,7 +239,9 @@ class VaultWriter(_OnVault, StorageWriter):
             desc = vault.descriptor() or vault.create(self.chunk_size, self.codec or DEFAULT_CODEC)
             if not self.overwrite and vault.store.exists(manifest_key(self.step)):
                 raise StepExistsError(self.step, vault.url)
-        shared = _VaultPlan(self.step, desc.chunk_size, self.codec or desc.codec)
+            self._delta = delta = delta_context(vault, self.delta_policy, self.step)
+        shared = _VaultPlan(self.step, desc.chunk_size, self.codec or desc.codec, delta.keyframe_step,
+                            delta.since_keyframe, tuple(sorted(delta.guard.watched.items())))
         return [replace(plan, storage_data=shared) for plan in plans]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
@@ -223,22 +269,50 @@ class VaultWriter(_OnVault, StorageWriter):
                             f"{shared.chunk_size}: are the ranks writing to different vaults?")
         flattener = Flattener(self.allow_pickle)
         nodes: list[Node] = []
+        offsets: dict[int, tuple[int, ...]] = {}
         for item in plan.items:
             if item.type == WriteItemType.BYTE_IO:
                 nodes.append(flattener.flatten(self._value(item, planner), item.index.fqn))
             else:
                 flattener.leaves.append(Leaf(item.index.fqn, "torch", _shard(item, planner.resolve_data(item))))
                 nodes.append({"shards": [len(flattener.leaves) - 1]})
+                assert item.tensor_data is not None  # _shard checked it
+                offsets[len(flattener.leaves) - 1] = tuple(item.tensor_data.chunk.offsets)
         leaves = flattener.leaves
-        arrays = [_array_record(leaf, shared.codec) for leaf in leaves]
+        rules = CodecRules(self.codec_rules, shared.codec)
+        arrays = [_array_record(leaf, rules, offsets.get(i)) for i, leaf in enumerate(leaves)]
         views = [tensor_bytes(leaf.value) if leaf.kind == "torch" else ndarray_bytes(leaf.value) for leaf in leaves]
-        chunks, pieces = write_chunks(vault, Snapshot({"none": None}, arrays, views, self.allow_pickle))
+        snapshot = Snapshot({"none": None}, arrays, views, self.allow_pickle)
+        chunks, pieces = write_chunks(vault, snapshot, None, self._rank_delta(vault, shared))
         table = tuple(ChunkRef(c.id, c.raw, c.stored, c.new, c.base) for c in chunks)
         out = []
         for item, node in zip(plan.items, nodes, strict=True):
             placement = _placement(item, node, arrays, pieces, table)
             out.append(WriteResult(item.index, sum(r.nbytes for r in placement.records), placement))
         return out
+
+    def _rank_delta(self, vault: Vault, shared: _VaultPlan) -> DeltaContext:
+        """This rank's view of the coordinator's delta decision: the keyframe (None for a keyframe save) and the
+        chunks of the manifests it read, which this rank reuses without a touch (the commit checks them again)."""
+        manifests = [self._read(vault, key, seen) for key, seen in shared.watched]
+        known = {cid: base for m in manifests for cid, base in m.chunk_bases().items()}
+        keyframe = next((m for m in manifests if m.step == shared.keyframe_step), None)
+        if shared.keyframe_step is not None and keyframe is None:
+            raise SaveError(f"the coordinator chose keyframe {shared.keyframe_step}, which it did not read")
+        guard = ManifestGuard(dict(shared.watched), known)
+        return DeltaContext(keyframe, known, shared.since_keyframe, guard=guard)
+
+    def _read(self, vault: Vault, key: str, seen: tuple[int, float]) -> Manifest:
+        """The manifest at ``key`` as the coordinator stat'ed it, read once per writer (it may save again)."""
+        cached = self._manifests.get((key, seen))
+        if cached is None:
+            step = step_of_manifest_key(key)
+            if step is None:
+                raise SaveError(f"the coordinator named {key!r}, which is not a manifest's key")
+            cached = vault.read_manifest(step)
+            self._manifests = {k: m for k, m in self._manifests.items() if k[0] != key}
+            self._manifests[(key, seen)] = cached
+        return cached
 
     def _value(self, item: WriteItem, planner: SavePlanner) -> Any:
         """The value of a BYTE_IO item: the object itself where the planner offers ``lookup_object`` (DCP's
@@ -272,9 +346,15 @@ class VaultWriter(_OnVault, StorageWriter):
             if not isinstance(result.storage_data, Placement):
                 raise SaveError(f"the result of {result.index.fqn!r} was not written by VaultWriter")
             placements[result.index] = result.storage_data
-        manifest = build_manifest(self.step, placements, metadata, self.metrics, self.metadata)
+        delta = self._delta or DeltaContext()
+        keyframe = self.step if delta.keyframe_step is None else delta.keyframe_step
+        manifest = build_manifest(self.step, placements, metadata, self.metrics, self.metadata, keyframe,
+                                  delta.since_keyframe)
         _check_before_commit(manifest, vault)
-        commit(vault, self.step, manifest, self.overwrite)
+        guard = delta.guard  # the ranks reused its manifests' chunks untouched: commit() checks them again
+        guard.skipped.update(c.id for c in manifest.chunks if not c.new and c.id in guard.chunk_ids)
+        commit(vault, self.step, manifest, self.overwrite, guard)
+        self.manifest, self._delta = manifest, None
 
 
 
@@ -289,12 +369,26 @@ def _shard(item: WriteItem, value: Any) -> torch.Tensor:
     return tensor
 
 
-def _array_record(leaf: Leaf, codec: str) -> ArrayRecord:
+def _array_record(leaf: Leaf, rules: CodecRules, offsets: tuple[int, ...] | None) -> ArrayRecord:
     value = leaf.value
     if leaf.kind == "torch":
-        return ArrayRecord(leaf.path, "torch", torch_dtype_name(value.dtype), list(value.shape),
-                           value.numel() * value.dtype.itemsize, value.dtype.itemsize, codec)
+        dtype = torch_dtype_name(value.dtype)
+        return ArrayRecord(leaf.path, "torch", dtype, list(value.shape), value.numel() * value.dtype.itemsize,
+                           value.dtype.itemsize, rules.codec_for(leaf.path, dtype), offsets=offsets)
+    codec = rules.codec_for(leaf.path, value.dtype.str) if leaf.kind == "numpy" else rules.default
     return ArrayRecord(leaf.path, leaf.kind, value.dtype.str, list(value.shape), value.nbytes, value.dtype.itemsize, codec)
+
+
+def _lossless_rules(rules: Mapping[str, str] | Iterable[tuple[str, str]] | None,
+                    codec: str | None) -> list[tuple[str, str]]:
+    """``codec_rules`` as (pattern, codec) pairs, checked: lossless codecs only (shards are stored exactly)."""
+    pairs = list(rules.items()) if isinstance(rules, Mapping) else list(rules or [])
+    CodecRules(pairs, codec or DEFAULT_CODEC)  # unknown codec names and malformed rules
+    for pattern, name in pairs:
+        if parse_codec(name, DEFAULT_CODEC)[0] is not None:
+            raise InvalidArgumentError(f"codec rule {pattern!r}: {name!r} is lossy; a distributed save stores shards "
+                                       "losslessly only (zstd, lz4, none, zstd-N or 'lossless')")
+    return pairs
 
 
 def _placement(item: WriteItem, node: Node, arrays: list[ArrayRecord], pieces: list[list[Any]],
