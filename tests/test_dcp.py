@@ -25,8 +25,8 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 
 import ckptvault
 from ckptvault._format import schema
-from ckptvault._vault import Vault
 from ckptvault._format.manifest import decode_manifest, encode_manifest
+from ckptvault._vault import Vault
 from ckptvault.distributed import VaultLoadPlanner, VaultReader, VaultSavePlanner, VaultWriter
 from ckptvault.errors import (
     CorruptManifestError,

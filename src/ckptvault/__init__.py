@@ -40,18 +40,18 @@ from ._version import __version__
 from .handle import SaveHandle
 from .info import CheckpointInfo, TensorInfo
 from .manager import CheckpointManager
-from .options import AsyncOptions, DeltaOptions, LossySafety
+from .options import AsyncOptions, DeltaOptions, DistributedOptions, LossySafety
 from .rng import rng_state, set_rng_state
 from .rules import CodecRules
 from .stores import LocalOptions, LocalStore, MemoryStore, ObjectInfo, S3Options, StorageOptions, Store, open_store
 
 __all__ = [
     "AsyncOptions", "CheckpointInfo", "CheckpointManager", "CodecRules", "CopyPlan", "CopyResult", "DeltaOptions",
-    "GCPlan", "GCResult", "KeepBest", "KeepDaily", "KeepEvery", "KeepIf", "KeepInterval", "KeepLast", "KeepWeekly",
-    "LocalOptions", "LocalStore", "LossySafety", "MemoryStore", "ObjectInfo", "Policy", "Preempted", "PrunePlan",
-    "PruneResult", "RestoreReport", "RestoredObject", "Retention", "RetentionInfo", "S3Options", "SaveHandle",
-    "StorageOptions", "Store", "TensorInfo", "VerifyReport", "__version__", "copy_checkpoints", "errors", "load",
-    "open_store", "rng_state", "save", "set_rng_state",
+    "DistributedOptions", "GCPlan", "GCResult", "KeepBest", "KeepDaily", "KeepEvery", "KeepIf", "KeepInterval",
+    "KeepLast", "KeepWeekly", "LocalOptions", "LocalStore", "LossySafety", "MemoryStore", "ObjectInfo", "Policy",
+    "Preempted", "PrunePlan", "PruneResult", "RestoreReport", "RestoredObject", "Retention", "RetentionInfo", "S3Options",
+    "SaveHandle", "StorageOptions", "Store", "TensorInfo", "VerifyReport", "__version__", "copy_checkpoints", "errors",
+    "load", "open_store", "rng_state", "save", "set_rng_state"
 ]
 
 _SAVE_KEYWORDS = set(inspect.signature(CheckpointManager.save).parameters) - {"self", "step", "state"}

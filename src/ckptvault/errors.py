@@ -170,6 +170,35 @@ class SaveError(VaultError):
     """A save failed; nothing was committed for its step."""
 
 
+class RankFailedError(SaveError):
+    """A collective save or restore in a distributed job failed on some ranks; nothing was committed.
+
+    Raised on every surviving rank. ``failures`` maps each failed rank to what went wrong there (its error as
+    ``"Type: message"``, or that it stopped responding: killed, hung, or its machine lost). Chunks the other ranks
+    already wrote are left for ``gc``; the same save may be run again once every rank is up."""
+
+    def __init__(self, what: str, failures: dict[int, str], detail: str | None = None) -> None:
+        self.failures = dict(sorted(failures.items()))
+        shown = "; ".join(f"rank {rank}: {why}" for rank, why in list(self.failures.items())[:8])
+        more = f"; and {len(self.failures) - 8} more ranks" if len(self.failures) > 8 else ""
+        ranks = f" on rank{'s' if len(self.failures) != 1 else ''} {_short_list(sorted(self.failures))}: {shown}{more}"
+        tail = f" ({detail})" if detail else ""
+        super().__init__(f"{what} failed{ranks if self.failures else ''}{tail}; nothing was committed")
+
+
+class UnsharedVaultError(VaultError, ValueError):
+    """The ranks of a distributed job do not see the same vault (a node-local path that differs between machines).
+
+    Detected before any rank writes. ``ranks`` maps each rank that did not see what rank 0 wrote to its host."""
+
+    def __init__(self, url: str, ranks: dict[int, str]) -> None:
+        self.ranks = dict(sorted(ranks.items()))
+        shown = ", ".join(f"rank {rank} on {host}" for rank, host in list(self.ranks.items())[:8])
+        super().__init__(f"the vault {url} is not shared by every rank: {shown} cannot see an object rank 0 wrote "
+                         "there (a node-local path that differs between machines?). Use a path on a shared file "
+                         "system that every node mounts, or an object store (s3://...)")
+
+
 class ManagerClosedError(VaultError, RuntimeError):
     """A CheckpointManager was used after :meth:`~ckptvault.CheckpointManager.close` (or after its ``with`` block)."""
 

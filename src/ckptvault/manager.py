@@ -27,7 +27,7 @@ from ._vault import Vault
 from .errors import InvalidArgumentError, ManagerClosedError, StepExistsError, VaultNotFoundError
 from .handle import SaveHandle
 from .info import CheckpointInfo, info_from_manifest
-from .options import AsyncOptions, DeltaOptions, LossySafety, grouped
+from .options import AsyncOptions, DeltaOptions, DistributedOptions, LossySafety, grouped
 from .rules import CodecRules, preset_rules
 from .stores import StorageOptions, Store
 
@@ -86,6 +86,7 @@ class CheckpointManager(MaintenanceMixin):
         lossy_safety: LossySafety | None = None,
         retention: Retention | Policy | Iterable[Policy] | None = None,
         exclusive: bool = False,
+        distributed: DistributedOptions | None = None,
         **flat: Any,
     ) -> None:
         options = grouped({"delta": delta, "async_options": async_options, "lossy_safety": lossy_safety}, flat)
@@ -104,8 +105,29 @@ class CheckpointManager(MaintenanceMixin):
         self._saver = Saver(self.vault, self.delta_policy, async_save=async_save, async_options=async_options,
                             after_commit=self._after_commit, safety=lossy_safety, cache_keyframe=delta.cache_keyframe)
         self._loading_kernels = load_kernels_in_background()  # the first save would otherwise wait for numba to load
+        self._collective = self._join_job(distributed, async_save, incremental, delta, async_options)
         self._closed = False
         self._rules_checked = False  # the first save warns about codec_rules patterns that match no tensor
+
+    def _join_job(self, options: DistributedOptions | None, async_save: bool, incremental: bool, delta: DeltaOptions,
+                  async_options: AsyncOptions) -> Any:
+        """The collective part of this manager in a torch.distributed job (``distributed/_collective.py``), or None."""
+        check_kind("distributed", options, DistributedOptions, type(None))
+        options = options or DistributedOptions()
+        if options.enabled is False:
+            return None
+        from .distributed._collective import Collective, SaveSettings, wanted
+
+        if not wanted(options):
+            return None
+        settings = SaveSettings(self._codec, self._codec_rules, self._chunk_size, incremental, delta, async_save,
+                                async_options.on_busy)
+        return Collective(self.vault, options, settings, self._after_commit)
+
+    @property
+    def distributed(self) -> bool:
+        """Whether this manager takes part in a torch.distributed job (its saves and restores are collective)."""
+        return self._collective is not None
 
     def _check_open(self, what: str) -> None:
         """ManagerClosedError after :meth:`close`: the vault's store and pool are released, so nothing may run."""
@@ -149,6 +171,11 @@ class CheckpointManager(MaintenanceMixin):
         check_kind("overwrite", overwrite, bool)
         check_kind("allow_pickle", allow_pickle, bool)  # "no" would allow it
         check_progress(progress)
+        if self._collective is not None:  # the coordinator creates the vault and refuses a committed step
+            request = SaveRequest(step, json_fields(metrics, "metrics"), json_fields(metadata, "metadata"), overwrite,
+                                  progress)
+            with critical(self._preemption):
+                return self._collective.save(request, state, allow_pickle)
         codec = DEFAULT_CODEC if self._codec is None else self._codec
         desc = self.vault.descriptor() or self.vault.create(self._chunk_size, codec)
         if not overwrite and (self.vault.store.exists(manifest_key(step)) or self._saver.inflight_step == step):
@@ -172,6 +199,8 @@ class CheckpointManager(MaintenanceMixin):
         try:
             with critical(self._preemption):
                 self._saver.wait()
+                if self._collective is not None:
+                    self._collective.wait()
         finally:
             reissue_deferred()
 
@@ -249,6 +278,10 @@ class CheckpointManager(MaintenanceMixin):
         check_kind("strict", strict, bool)
         check_kind("allow_pickle", allow_pickle, bool)  # "no" would allow unpickling
         check_progress(progress)
+        if self._collective is not None:
+            resolved = self._collective.on_coordinator(lambda: self._resolve(step))  # every rank the same step
+            manifest = self.vault.read_manifest(resolved)
+            return self._collective.restore(manifest, into, keys, strict, allow_pickle)
         manifest = self.vault.read_manifest(self._resolve(step))
         if into is not None:
             if has_live_objects(into):
@@ -287,6 +320,8 @@ class CheckpointManager(MaintenanceMixin):
             step = self.step_of(step)
         if step is not None and step == self._saver.inflight_step:
             self._saver.wait()
+        if self._collective is not None and step is not None and step == self._collective.inflight_step:
+            self._collective.wait()
         if step is not None:
             return check_step(step)
         latest = self.latest_step()
@@ -303,7 +338,11 @@ class CheckpointManager(MaintenanceMixin):
         self._closed = True
         try:
             with critical(self._preemption):
-                self._saver.close()
+                try:
+                    self._saver.close()
+                finally:
+                    if self._collective is not None:
+                        self._collective.close()
         finally:
             if self._loading_kernels is not None:
                 self._loading_kernels.join()  # not left importing numba while the interpreter exits

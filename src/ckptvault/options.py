@@ -17,7 +17,8 @@ from ._maintenance.retention import Retention
 from .errors import InvalidArgumentError
 from .stores import LocalOptions, S3Options, StorageOptions
 
-__all__ = ["AsyncOptions", "DeltaOptions", "LocalOptions", "LossySafety", "Retention", "S3Options", "StorageOptions"]
+__all__ = ["AsyncOptions", "DeltaOptions", "DistributedOptions", "LocalOptions", "LossySafety", "Retention", "S3Options",
+           "StorageOptions"]
 
 #: what a save does while another is still in flight
 ON_BUSY = ("wait", "skip")
@@ -69,6 +70,38 @@ class AsyncOptions:
         check_kind("max_staging_bytes", self.max_staging_bytes, int, type(None))
         if self.max_staging_bytes is not None and self.max_staging_bytes < 0:
             raise InvalidArgumentError(f"max_staging_bytes must be at least 0 (None: no cap), got {self.max_staging_bytes}")
+
+
+@dataclass(frozen=True)
+class DistributedOptions:
+    """A CheckpointManager in a torch.distributed job (README, "Distributed training"; docs/DESIGN.md section 4).
+
+    ``enabled``: ``None`` (the default) takes part in the job when torch.distributed is initialised (at any world
+    size, one rank included) when the manager is made; ``True`` requires that (InvalidArgumentError otherwise);
+    ``False`` never takes part (each process saves alone, as without torch.distributed).
+    ``timeout``: seconds a collective step of a save or restore waits for the other ranks before it fails with
+    :class:`~ckptvault.errors.RankFailedError` (a rank that dies is usually noticed at once; a hung one only then).
+    ``per_rank``: glob patterns of key paths (``"loader"``, ``"rng.*"``) whose values every rank keeps apart, even
+    where they are equal; values that differ between ranks are kept apart anyway (never one rank's copy for all).
+    """
+
+    enabled: bool | None = None
+    timeout: float = 600.0
+    per_rank: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        check_kind("enabled", self.enabled, bool, type(None))
+        check_kind("timeout", self.timeout, int, float)
+        if not 0 < self.timeout < float("inf"):
+            raise InvalidArgumentError(f"timeout must be a positive number of seconds, got {self.timeout!r}")
+        if isinstance(self.per_rank, str):
+            object.__setattr__(self, "per_rank", (self.per_rank,))
+        check_kind("per_rank", self.per_rank, tuple, list)
+        object.__setattr__(self, "per_rank", tuple(self.per_rank))
+        for pattern in self.per_rank:
+            check_kind("per_rank pattern", pattern, str)
+            if not pattern:
+                raise InvalidArgumentError("per_rank patterns must not be empty")
 
 
 #: the flat keyword spellings of earlier versions -> (the option object's keyword, its field)

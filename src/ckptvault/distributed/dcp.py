@@ -28,7 +28,7 @@ from __future__ import annotations
 import io
 import os
 from collections import defaultdict
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Any
@@ -203,7 +203,7 @@ class VaultWriter(_OnVault, StorageWriter, AsyncStager):
         check_kind("delta", delta, DeltaOptions, type(None))
         if codec is not None:
             validate_codec_name(codec)
-        self.codec_rules = _lossless_rules(codec_rules, codec)
+        self.codec_rules = lossless_rules(codec_rules, codec)
         self.url, self.step, self.overwrite, self.allow_pickle = url, check_step(step), overwrite, allow_pickle
         self.codec, self.chunk_size, self.storage_options, self.workers = codec, chunk_size, storage_options, workers
         self.metrics, self.metadata = json_fields(metrics, "metrics"), json_fields(metadata, "metadata")
@@ -215,6 +215,8 @@ class VaultWriter(_OnVault, StorageWriter, AsyncStager):
         self._manifests: dict[tuple[str, tuple[int, float]], Manifest] = {}  # read for deltas, by key and stat
         self._staging = HostStaging()
         self.manifest: Manifest | None = None  # the coordinator's last committed manifest
+        #: called with the size of each chunk this rank writes or finds stored (``CheckpointManager.save``'s)
+        self.progress: Callable[[int], None] | None = None
 
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         """DCP's AsyncStager: a copy of ``state_dict`` whose tensors (a DTensor's local shard) are in host buffers
@@ -283,7 +285,7 @@ class VaultWriter(_OnVault, StorageWriter, AsyncStager):
         arrays = [_array_record(leaf, rules, offsets.get(i)) for i, leaf in enumerate(leaves)]
         views = [tensor_bytes(leaf.value) if leaf.kind == "torch" else ndarray_bytes(leaf.value) for leaf in leaves]
         snapshot = Snapshot({"none": None}, arrays, views, self.allow_pickle)
-        chunks, pieces = write_chunks(vault, snapshot, None, self._rank_delta(vault, shared))
+        chunks, pieces = write_chunks(vault, snapshot, self.progress, self._rank_delta(vault, shared))
         table = tuple(ChunkRef(c.id, c.raw, c.stored, c.new, c.base) for c in chunks)
         out = []
         for item, node in zip(plan.items, nodes, strict=True):
@@ -310,7 +312,8 @@ class VaultWriter(_OnVault, StorageWriter, AsyncStager):
             if step is None:
                 raise SaveError(f"the coordinator named {key!r}, which is not a manifest's key")
             cached = vault.read_manifest(step)
-            self._manifests = {k: m for k, m in self._manifests.items() if k[0] != key}
+            for stale in [k for k in self._manifests if k[0] == key]:  # in place: a manager shares it between saves
+                del self._manifests[stale]
             self._manifests[(key, seen)] = cached
         return cached
 
@@ -379,7 +382,7 @@ def _array_record(leaf: Leaf, rules: CodecRules, offsets: tuple[int, ...] | None
     return ArrayRecord(leaf.path, leaf.kind, value.dtype.str, list(value.shape), value.nbytes, value.dtype.itemsize, codec)
 
 
-def _lossless_rules(rules: Mapping[str, str] | Iterable[tuple[str, str]] | None,
+def lossless_rules(rules: Mapping[str, str] | Iterable[tuple[str, str]] | None,
                     codec: str | None) -> list[tuple[str, str]]:
     """``codec_rules`` as (pattern, codec) pairs, checked: lossless codecs only (shards are stored exactly)."""
     pairs = list(rules.items()) if isinstance(rules, Mapping) else list(rules or [])

@@ -1,0 +1,224 @@
+"""CheckpointManager in a torch.distributed job: collective saves and restores (ckptvault/distributed/_collective.py).
+
+Real processes and real collectives (tests/helpers/dist_manager.py: gloo on CPU, FSDP2 ``fully_shard``, AdamW):
+an asynchronous save at 2 ranks resumed bit for bit at 2 ranks (per-rank RNG states and loader positions each
+rank's own), restores at 1, 3 and 4 ranks from saves at 2 and 4 ranks, a rank whose storage fails and a rank
+killed with SIGKILL while writing (no commit, a RankFailedError naming the rank on every survivor within seconds),
+and a vault path that differs between ranks (refused before anything is written). The per-rank bookkeeping is also
+checked in this process.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import ckptvault
+from ckptvault.distributed import VaultWriter
+from ckptvault.distributed._per_rank import (
+    PER_RANK,
+    own_values,
+    per_rank_paths,
+    saved_ranks,
+    units,
+    unwrap_targets,
+    wrap,
+    wrap_targets,
+)
+from ckptvault.errors import InvalidArgumentError, KeyMismatchError, RankFailedError, UnsharedVaultError
+from conftest import assert_same_state, manifest_files
+from helpers import dcp_worker, dist_manager
+
+
+def _json(path: Path) -> Any:
+    return json.loads(path.read_text())
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]:
+    """Steps 2 and 3 saved asynchronously by 2 ranks (and a refused second save of step 3)."""
+    out = tmp_path_factory.mktemp("job")
+    url = str(out / "vault")
+    dcp_worker.spawn(dist_manager.train_and_save, 2, (url, str(out), True), out)
+    return url, out
+
+
+def test_every_rank_saves_collectively_and_sees_the_same_commits(job: tuple[str, Path]) -> None:
+    url, out = job
+    for rank in (0, 1):
+        report = _json(out / f"save_rank{rank}.json")
+        assert report["distributed"] is True and report["steps"] == [2, 3] and report["info_2"] == 2
+        assert report["exists"].startswith("step 3 is already committed")  # a StepExistsError on every rank
+    assert [p.name for p in manifest_files(url)] == [f"{2:020d}.json", f"{3:020d}.json"]
+    with ckptvault.CheckpointManager(url) as mgr:
+        assert mgr.info(2).metrics == {"loss": 1.0}
+        keyframe, later = mgr.manifest(2), mgr.manifest(3)
+        assert (later["keyframe_step"], later["since_keyframe"]) == (2, 1)
+        assert 0 < mgr.info(3).added_bytes < mgr.info(2).added_bytes
+    assert any(c.get("base") in {k["id"] for k in keyframe["chunks"]} for c in later["chunks"])
+
+
+def test_values_that_differ_between_ranks_are_kept_per_rank(job: tuple[str, Path]) -> None:
+    """Without a process group the checkpoint reads whole: the per-rank values of both ranks side by side, the
+    values every rank had alike once."""
+    url, _ = job
+    with ckptvault.CheckpointManager(url) as mgr:
+        state = mgr.restore(3)
+    assert state["step"] == 3
+    assert state["loader"] == {PER_RANK: {"0": {"position": 1}, "1": {"position": 11}}}  # marked per_rank=("loader",)
+    torch_states = state["rng"]["torch"][PER_RANK]  # seeded per rank: found different, so kept apart
+    assert set(torch_states) == {"0", "1"} and not torch.equal(torch_states["0"], torch_states["1"])
+
+
+def test_a_resume_at_the_same_world_size_is_bit_exact(job: tuple[str, Path]) -> None:
+    """Model, optimizer and each rank's RNG state restored in place: two more steps match the uninterrupted run."""
+    url, out = job
+    dcp_worker.spawn(dist_manager.resume, 2, (url, str(out), 2), out)
+    assert_same_state(torch.load(out / "expected_3.pt"), torch.load(out / "restored_w2.pt"))
+    assert_same_state(torch.load(out / "final.pt"), torch.load(out / "resumed_w2.pt"))
+    assert [_json(out / f"resume_w2_rank{r}.json") for r in (0, 1)] == [
+        {"step": 3, "loader": {"position": 1}}, {"step": 3, "loader": {"position": 11}}]
+
+
+@pytest.mark.parametrize("world", [1, 4])
+def test_a_restore_at_another_world_size_is_exact(job: tuple[str, Path], world: int) -> None:
+    """2 -> 1 and 2 -> 4 ranks: the DTensors resharded in place; the ranks the save did not have get no per-rank
+    values (strict=False), the others their own."""
+    url, out = job
+    dcp_worker.spawn(dist_manager.resume, world, (url, str(out), 0), out, timeout=180)
+    assert_same_state(torch.load(out / "expected_3.pt"), torch.load(out / f"restored_w{world}.pt"))
+    loaders = [_json(out / f"resume_w{world}_rank{r}.json")["loader"] for r in range(world)]
+    assert loaders == [{"position": 1}, {"position": 11}, None, None][:world]
+
+
+def test_a_save_at_four_ranks_restores_at_three(tmp_path: Path) -> None:
+    url = str(tmp_path / "vault")
+    dcp_worker.spawn(dist_manager.train_and_save, 4, (url, str(tmp_path), False), tmp_path, timeout=180)
+    dcp_worker.spawn(dist_manager.resume, 3, (url, str(tmp_path), 0), tmp_path, timeout=180)
+    assert_same_state(torch.load(tmp_path / "expected_3.pt"), torch.load(tmp_path / "restored_w3.pt"))
+    assert [_json(tmp_path / f"resume_w3_rank{r}.json")["loader"] for r in range(3)] == [
+        {"position": 1}, {"position": 11}, {"position": 21}]
+
+
+def test_a_rank_whose_storage_fails_commits_nothing_and_every_rank_is_told(tmp_path: Path) -> None:
+    url = str(tmp_path / "vault")
+    codes = dist_manager.spawn_independent(dist_manager.fail_during_write, 2, (url, str(tmp_path), "raise", 30.0),
+                                           tmp_path)
+    assert codes == [0, 0]
+    for rank in (0, 1):
+        report = _json(tmp_path / f"fail_raise_rank{rank}.json")
+        assert report["error"] == "RankFailedError" and report["steps"] == []
+        assert report["failures"] == {"1": "StorageFullError: No space left on device (injected on rank 1)"}
+        assert "the save of step 5 failed on rank 1" in report["text"] and "nothing was committed" in report["text"]
+    assert manifest_files(url) == []
+
+
+def test_a_rank_killed_while_writing_commits_nothing_and_the_survivors_name_it(tmp_path: Path) -> None:
+    """SIGKILL of rank 1 of 4 inside its chunk writes: every survivor raises RankFailedError naming rank 1 (and
+    only it) well within the 30 s timeout."""
+    url = str(tmp_path / "vault")
+    codes = dist_manager.spawn_independent(dist_manager.fail_during_write, 4, (url, str(tmp_path), "kill", 30.0),
+                                           tmp_path, timeout=180)
+    assert codes == [0, -9, 0, 0]
+    for rank in (0, 2, 3):
+        report = _json(tmp_path / f"fail_kill_rank{rank}.json")
+        assert report["error"] == "RankFailedError" and report["steps"] == []
+        assert list(report["failures"]) == ["1"] and report["failures"]["1"].startswith("stopped responding")
+        assert report["seconds"] < 25
+    assert manifest_files(url) == []
+
+
+def test_a_vault_path_that_differs_between_ranks_is_refused_before_anything_is_written(tmp_path: Path) -> None:
+    base = tmp_path / "nodes"
+    base.mkdir()
+    dcp_worker.spawn(dist_manager.unshared, 2, (str(base), str(tmp_path)), tmp_path)
+    for rank in (0, 1):
+        report = _json(tmp_path / f"unshared_rank{rank}.json")
+        assert report["ranks"] == {"1": report["ranks"]["1"]} and "is not shared by every rank" in report["error"]
+        assert "shared file system" in report["error"] and "object store" in report["error"]
+        assert report["files"] == []
+
+
+# -- per-rank bookkeeping, in this process -------------------------------------------------------------------------
+
+def test_per_rank_units_are_found_by_pattern_by_difference_and_by_absence() -> None:
+    state = {"model": {"w": torch.ones(2)}, "rng": {"torch": torch.zeros(3)}, "loader": {"pos": 4}, "step": 1}
+    found = {path: forced for path, _value, forced in units(state, ("loader",))}
+    assert found == {("model", "w"): False, ("rng", "torch"): False, ("loader",): True, ("step",): False}
+    same, other = {("step",): ("a", False)}, {("step",): ("b", False)}
+    assert per_rank_paths([same, same]) == set()
+    assert per_rank_paths([same, other]) == {("step",)}
+    assert per_rank_paths([same, {}]) == {("step",)}
+    assert per_rank_paths([{("loader",): ("a", True)}, {("loader",): ("a", True)}]) == {("loader",)}
+    with pytest.raises(InvalidArgumentError, match="'__per_rank__' at model is ckptvault's own"):
+        list(units({"model": {PER_RANK: 1}}, ()))
+
+
+def test_per_rank_values_wrap_and_unwrap_for_each_rank() -> None:
+    state = {"rng": {"torch": 5, "numpy": 6}, "step": 1}
+    wrapped = wrap(state, {("rng", "torch")}, rank=1)
+    assert wrapped == {"rng": {"torch": {PER_RANK: {"1": 5}}, "numpy": 6}, "step": 1}
+    assert state == {"rng": {"torch": 5, "numpy": 6}, "step": 1}  # the caller's state is not changed
+    saved = {("rng", "torch"): {0, 1}}
+    tree = {"dict": [[{"str": "rng"}, {"dict": [[{"str": "torch"}, {"dict": [[{"str": PER_RANK}, {"dict": [
+        [{"str": "0"}, {"int": 1}], [{"str": "1"}, {"int": 2}]]}]]}]]}]]}
+    assert saved_ranks(tree) == saved
+    into = {"rng": {"torch": -1, "numpy": -1}}
+    undo = wrap_targets(into, saved, rank=1, world=2, strict=True)
+    assert into == {"rng": {"torch": {PER_RANK: {"1": -1}}, "numpy": -1}}
+    into["rng"]["torch"][PER_RANK]["1"] = 2  # what the load puts there
+    unwrap_targets(into, undo)
+    assert into == {"rng": {"torch": 2, "numpy": -1}}
+    with pytest.raises(KeyMismatchError, match=r"'rng.torch' holds per-rank values of ranks \[0, 1\], none of rank 3"):
+        wrap_targets(into, saved, rank=3, world=4, strict=True)
+    assert into == {"rng": {"torch": 2, "numpy": -1}}  # put back as it was
+    undo = wrap_targets(into, saved, rank=3, world=4, strict=False)
+    assert into == {"rng": {"numpy": -1}}
+    unwrap_targets(into, undo)
+    assert into == {"rng": {"torch": 2, "numpy": -1}}
+    whole = {"rng": {"torch": {PER_RANK: {"0": 1, "1": 2}}}, "step": 3}
+    assert own_values(whole, 1) == {"rng": {"torch": 2}, "step": 3}
+    with pytest.raises(KeyMismatchError, match="none of rank 2: pass strict=False"):
+        own_values({"x": {PER_RANK: {"0": 1}}}, 2)
+    assert own_values({"rng": {"torch": {PER_RANK: {"0": 1}}}, "step": 3}, 2, strict=False) == {"step": 3}
+
+
+def test_distributed_options_check_their_fields() -> None:
+    assert ckptvault.DistributedOptions(per_rank="loader").per_rank == ("loader",)
+    with pytest.raises(InvalidArgumentError, match="timeout must be a positive number of seconds, got 0"):
+        ckptvault.DistributedOptions(timeout=0)
+    with pytest.raises(InvalidArgumentError, match="enabled must be"):
+        ckptvault.DistributedOptions(enabled="yes")  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgumentError, match="per_rank patterns must not be empty"):
+        ckptvault.DistributedOptions(per_rank=("",))
+
+
+def test_without_torch_distributed_a_manager_saves_alone_unless_told_to_take_part(tmp_path: Path) -> None:
+    with ckptvault.CheckpointManager(tmp_path / "v") as mgr:
+        assert mgr.distributed is False
+    with pytest.raises(InvalidArgumentError, match="torch.distributed is not initialised: call"):
+        ckptvault.CheckpointManager(tmp_path / "v", distributed=ckptvault.DistributedOptions(enabled=True))
+    with pytest.raises(InvalidArgumentError, match="distributed must be DistributedOptions"):
+        ckptvault.CheckpointManager(tmp_path / "v", distributed={"timeout": 5})  # type: ignore[arg-type]
+
+
+def test_lossy_rules_are_refused_for_shards(tmp_path: Path) -> None:
+    with pytest.raises(InvalidArgumentError, match="'bf16' is lossy; a distributed save stores shards losslessly"):
+        VaultWriter(tmp_path, 1, codec_rules={"optim.*": "bf16"})
+    assert VaultWriter(tmp_path, 1, codec_rules={"optim.*": "lz4"}).codec_rules == [("optim.*", "lz4")]
+
+
+def test_rank_failed_errors_name_the_ranks_and_pickle() -> None:
+    import pickle
+
+    exc = RankFailedError("the save of step 4", {3: "stopped responding", 1: "OSError: boom"})
+    assert str(exc) == ("the save of step 4 failed on ranks 1, 3: rank 1: OSError: boom; rank 3: stopped responding; "
+                        "nothing was committed")
+    again = pickle.loads(pickle.dumps(exc))
+    assert type(again) is RankFailedError and again.failures == {1: "OSError: boom", 3: "stopped responding"}
+    unshared = UnsharedVaultError("/data/v", {2: "node-b"})
+    assert "rank 2 on node-b cannot see an object rank 0 wrote there" in str(unshared)
