@@ -74,6 +74,23 @@ def test_values_that_differ_between_ranks_are_kept_per_rank(job: tuple[str, Path
     assert set(torch_states) == {"0", "1"} and not torch.equal(torch_states["0"], torch_states["1"])
 
 
+def test_without_a_process_group_a_sharded_checkpoint_restores_into_whole_tensors(job: tuple[str, Path]) -> None:
+    """A plain (unsharded) model's state dict as ``into=``: each array rebuilt from its shards in place, a
+    non-contiguous target through a copy; a target of another shape is refused naming it, before any read."""
+    url, out = job
+    expected = torch.load(out / "expected_3.pt")["model"]
+    into = {key: torch.zeros_like(value) for key, value in expected.items()}
+    into["head.weight"] = torch.zeros(expected["head.weight"].shape[::-1]).t()
+    pointers = {key: value.data_ptr() for key, value in into.items()}
+    with ckptvault.CheckpointManager(url) as mgr:
+        assert mgr.restore(3, into=into) is into
+        assert_same_state(expected, into)
+        assert {key: value.data_ptr() for key, value in into.items()} == pointers
+        with pytest.raises(KeyMismatchError, match=r"'model.inner.weight': saved float32\[5, 129\] \(as shards\), "
+                                                   r"target is float32\[5, 128\]"):
+            mgr.restore(3, into={"inner.weight": torch.zeros(5, 128)})
+
+
 def test_a_resume_at_the_same_world_size_is_bit_exact(job: tuple[str, Path]) -> None:
     """Model, optimizer and each rank's RNG state restored in place: two more steps match the uninterrupted run."""
     url, out = job

@@ -194,39 +194,62 @@ def shard_indices(manifest: Manifest, selected: set[str] | None) -> list[int]:
 
 def read_sharded(vault: Vault, manifest: Manifest, selected: set[str] | None,
                  progress: Progress | None = None) -> dict[int, torch.Tensor]:
-    """Each selected array stored as shards (a ``{"shards": [...]}`` node), whole, keyed by its first record.
+    """Each selected array stored as shards (a ``{"shards": [...]}`` node), whole, keyed by its first record."""
+    plan = ShardedReads(manifest, selected)
+    read_into(vault, manifest, plan.dests, progress, plan.copy_in)
+    return plan.out
+
+
+class ShardedReads:
+    """The reads that rebuild arrays stored as shards whole: into ``into``'s tensor at the array's key path where it
+    is a plain host tensor (in place), else into a new one (``out``, keyed by the array's first record).
 
     The array is allocated from its ``global_shape``, which the schema matched against the elements its shards
     hold (they tile it exactly: ``_format/shards.py``). A shard whose box is contiguous in it (cut along the first
-    dimension) is read in place; any other is read into a temporary, copied into its box as soon as it is filled."""
-    out: dict[int, torch.Tensor] = {}
-    dests: dict[Dest, memoryview | Callable[[], memoryview]] = {}
-    boxes: dict[Dest, torch.Tensor] = {}
-    temps: dict[Dest, torch.Tensor] = {}
+    dimension) is read in place; any other is read into a temporary, copied into its box as soon as it is filled
+    (:meth:`copy_in`, read_into's ``done``)."""
 
-    def temp(index: int) -> memoryview:
-        record = manifest.tensors[index]
-        temps[index] = torch.empty(record.shape, dtype=torch_dtype(record.dtype))
-        return tensor_bytes(temps[index])
+    def __init__(self, manifest: Manifest, selected: set[str] | None, into: dict[str, torch.Tensor] | None = None) -> None:
+        self.manifest = manifest
+        self.out: dict[int, torch.Tensor] = {}
+        self.dests: dict[Dest, memoryview | Callable[[], memoryview]] = {}
+        self._boxes: dict[Dest, torch.Tensor] = {}
+        self._temps: dict[Dest, torch.Tensor] = {}
+        self._lock = threading.Lock()
+        for path, node in leaf_paths(manifest.tree).items():
+            if "shards" not in node or (selected is not None and path not in selected):
+                continue
+            first = manifest.tensors[node["shards"][0]]
+            target = (into or {}).get(path)
+            whole = target.detach() if target is not None and plain_cpu(target) else None
+            if whole is None:
+                whole = torch.empty(box_of(first)[0], dtype=torch_dtype(first.dtype))
+            self.out[node["shards"][0]] = whole
+            for index in node["shards"]:
+                record = manifest.tensors[index]
+                box = whole[tuple(slice(o, o + n) for o, n in zip(box_of(record)[1], record.shape, strict=True))]
+                if box.is_contiguous():
+                    self.dests[index] = tensor_bytes(box)
+                else:
+                    self._boxes[index], self.dests[index] = box, functools.partial(self._temp, index)
 
-    def copy_in(index: Dest) -> None:
-        if index in temps:
-            boxes[index].copy_(temps.pop(index))
+    def _temp(self, index: int) -> memoryview:
+        record = self.manifest.tensors[index]
+        temp = torch.empty(record.shape, dtype=torch_dtype(record.dtype))
+        with self._lock:
+            self._temps[index] = temp
+        return tensor_bytes(temp)
 
-    for path, node in leaf_paths(manifest.tree).items():
-        if "shards" not in node or (selected is not None and path not in selected):
-            continue
-        first = manifest.tensors[node["shards"][0]]
-        whole = out[node["shards"][0]] = torch.empty(box_of(first)[0], dtype=torch_dtype(first.dtype))
-        for index in node["shards"]:
-            record = manifest.tensors[index]
-            box = whole[tuple(slice(o, o + n) for o, n in zip(box_of(record)[1], record.shape, strict=True))]
-            if box.is_contiguous():
-                dests[index] = tensor_bytes(box)
-            else:
-                boxes[index], dests[index] = box, functools.partial(temp, index)
-    read_into(vault, manifest, dests, progress, copy_in)
-    return out
+    def copy_in(self, index: Dest) -> None:
+        with self._lock:
+            temp = self._temps.pop(index, None)
+        if temp is not None:
+            self._boxes[index].copy_(temp)
+
+
+def sharded_array_paths(manifest: Manifest) -> dict[str, int]:
+    """Key path -> first record of every array stored as shards."""
+    return {path: node["shards"][0] for path, node in leaf_paths(manifest.tree).items() if "shards" in node}
 
 
 def _refuse_pickle(tree: dict[str, Any], selected: set[str] | None) -> None:
@@ -274,11 +297,24 @@ class IntoPlan:
     lossy: LossyReads
     lossy_targets: dict[int, Any]
     copies: list[tuple[Any, Any]]  # made after every read, in order: tied tensors' other key paths
+    sharded: ShardedReads | None = None  # arrays stored as shards (a DCP checkpoint), rebuilt whole in the targets
+    sharded_targets: dict[int, Any] | None = None  # first record -> target, where not read in place
 
     def read(self, vault: Vault, manifest: Manifest, progress: Progress | None) -> None:
-        read_into(vault, manifest, self.dests, progress, self.temps.copy_in)
+        sharded = self.sharded
+
+        def done(key: Dest) -> None:
+            self.temps.copy_in(key)
+            if sharded is not None:
+                sharded.copy_in(key)
+
+        read_into(vault, manifest, self.dests, progress, done)
         for i, target in self.lossy_targets.items():
             _copy(target, self.lossy.decoded(i))
+        for i, target in (self.sharded_targets or {}).items():
+            assert sharded is not None
+            if sharded.out[i] is not target:
+                _copy(target, sharded.out[i])
         for target, source in self.copies:
             _copy(target, source)
 
@@ -287,7 +323,12 @@ def plan_into(manifest: Manifest, into: Any, strict: bool) -> IntoPlan:
     """The reads of :func:`restore_into` (raises KeyMismatchError for missing keys, dtypes and shapes)."""
     targets = dict(_array_leaves(into))
     saved = _saved_array_paths(manifest)
-    prefix = _mount_prefix(list(targets), saved, strict, manifest.step)
+    sharded = sharded_array_paths(manifest)
+    prefix = _mount_prefix(list(targets), {**saved, **sharded}, strict, manifest.step)
+    shard_targets = {full: t for p, t in targets.items() if (full := join_path(prefix, p) if prefix else p) in sharded}
+    if shard_targets:
+        _check_whole_targets(manifest, sharded, shard_targets)
+        targets = {p: t for p, t in targets.items() if (join_path(prefix, p) if prefix else p) not in sharded}
     dests: dict[Dest, memoryview | Callable[[], memoryview]] = {}
     temps = ThroughTemps()
     lossy_targets: dict[int, Any] = {}
@@ -316,7 +357,27 @@ def plan_into(manifest: Manifest, into: Any, strict: bool) -> IntoPlan:
                              if (join_path(prefix, p) if prefix else p) in saved))
     lossy = LossyReads(manifest.tensors, lossy_targets)
     dests.update(lossy.dests())
-    return IntoPlan(dests, temps, lossy, lossy_targets, copies)
+    if not shard_targets:
+        return IntoPlan(dests, temps, lossy, lossy_targets, copies)
+    reads = ShardedReads(manifest, set(shard_targets), shard_targets)
+    dests.update(reads.dests)
+    by_first = {sharded[path]: target.detach() if isinstance(target, torch.Tensor) else target
+                for path, target in shard_targets.items()}
+    return IntoPlan(dests, temps, lossy, lossy_targets, copies, reads, by_first)
+
+
+def _check_whole_targets(manifest: Manifest, sharded: dict[str, int], targets: dict[str, Any]) -> None:
+    """KeyMismatchError (before anything is read) for a target of an array stored as shards whose dtype or shape
+    is not the array's (its global shape)."""
+    found = []
+    for path, target in targets.items():
+        first = manifest.tensors[sharded[path]]
+        shape, dtype = list(box_of(first)[0]), first.dtype
+        if list(target.shape) != shape or _dtype_name(target) != dtype:
+            found.append(f"{path!r}: saved {dtype}{shape} (as shards), target is {_dtype_name(target)}{list(target.shape)}")
+    if found:
+        raise KeyMismatchError("; ".join(found[:SHOWN_MISMATCHES]) + "; restore without into= and convert, or fix "
+                               "the target")
 
 
 class ThroughTemps:
