@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ._format.records import LossyInfo, Manifest, TensorRecord
+from ._reports.arrays import stored_arrays
 from ._save.commit import metrics_from_manifest
 
 
@@ -14,7 +15,12 @@ class TensorInfo:
     """One stored array. ``nbytes`` is its size as saved (original dtype); ``stored_bytes`` counts its
     share of the chunks it lives in (for a lossy tensor, including its scales). ``codec`` names the
     lossy codec and the lossless one (``"bf16+zstd"``); ``error`` is the measured lossy error
-    (``max_abs``, ``rel_l2``, ``flushed``, ``overflow``, ``nan``), None when stored exactly."""
+    (``max_abs``, ``rel_l2``, ``flushed``, ``overflow``, ``nan``), None when stored exactly.
+
+    An array of a DCP checkpoint (``ckptvault.distributed.VaultWriter``) stored as the shards the ranks held is one
+    TensorInfo: ``shape`` is the whole array's (its global shape), ``nbytes`` and ``stored_bytes`` sum over its
+    shards, ``shards`` counts them and ``boxes`` gives each one's ``(offsets, shape)`` in the array (empty, and
+    ``shards`` 1, for an array not stored as shards)."""
 
     path: str
     kind: str
@@ -25,6 +31,13 @@ class TensorInfo:
     codec: str
     error: dict[str, float] | None = None
     notes: tuple[str, ...] = ()
+    shards: int = 1
+    boxes: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict of every field (``boxes`` as ``[{"offsets", "shape"}]``)."""
+        return vars(self) | {"shape": list(self.shape), "notes": list(self.notes),
+                             "boxes": [{"offsets": list(o), "shape": list(s)} for o, s in self.boxes]}
 
 
 @dataclass(frozen=True)
@@ -34,6 +47,10 @@ class CheckpointInfo:
     ``logical_bytes``: bytes of its arrays uncompressed. ``stored_bytes``: stored
     size of every chunk it references. ``added_bytes``: what this checkpoint
     added to the vault (chunks no earlier checkpoint had).
+    ``tensors``: one per array (a DCP checkpoint's shards of one array are one, see :class:`TensorInfo`).
+    ``sharded``: a DCP checkpoint whose arrays are stored as shards; ``num_shards``: the records holding its
+    arrays (``len(tensors)`` unless sharded); ``max_shards``: the most shards one array is cut into (for an FSDP
+    save whose arrays all have at least as many rows as ranks, the world size of the save).
     ``metrics``: as saved; a non-finite number (NaN, infinity) is stored as the string ``"nan"``, ``"inf"`` or
     ``"-inf"`` and given back here as a float (so a metric saved as one of those strings also reads back as a float).
     """
@@ -47,6 +64,9 @@ class CheckpointInfo:
     metadata: dict[str, Any]
     tensors: list[TensorInfo] = field(repr=False)
     num_chunks: int = 0
+    sharded: bool = False
+    num_shards: int = 0
+    max_shards: int = 1
 
     @property
     def ratio(self) -> float:
@@ -55,10 +75,11 @@ class CheckpointInfo:
 
     def to_dict(self, with_tensors: bool = False) -> dict[str, Any]:
         out = {k: getattr(self, k) for k in ("step", "time", "logical_bytes", "stored_bytes", "added_bytes",
-                                             "metrics", "metadata", "num_chunks")}
+                                             "metrics", "metadata", "num_chunks", "sharded", "num_shards",
+                                             "max_shards")}
         out["ratio"] = self.ratio
         if with_tensors:
-            out["tensors"] = [vars(t) | {"shape": list(t.shape)} for t in self.tensors]
+            out["tensors"] = [t.to_dict() for t in self.tensors]
         return out
 
 
@@ -74,20 +95,23 @@ def info_from_manifest(manifest: Manifest) -> CheckpointInfo:
         return sum(chunks[p.chunk].stored * p.length / max(chunks[p.chunk].raw, 1) for p in record.pieces)
 
     tensors = []
-    for t in records:
-        if t.kind == "part":
-            continue
-        lossy = t.lossy if t.is_lossy else None
-        stored = share(t) + (sum(share(records[j]) for j in lossy.parts.values()) if lossy else 0)
+    arrays = stored_arrays(manifest)
+    for array in arrays:
+        t = array.first
+        lossy = t.lossy if t.is_lossy else None  # shards are lossless (the schema checks it)
+        stored = sum(share(records[i]) for i in array.indices)
+        stored += sum(share(records[j]) for j in lossy.parts.values()) if lossy else 0
         codec = f"{_lossy_name(lossy)}+{t.codec}" if lossy else t.codec
-        tensors.append(TensorInfo(t.path, t.kind, t.dtype, t.shape,
-                                  t.restored_nbytes, round(stored), codec,
-                                  _error(lossy.error if lossy else None), t.lossy.notes if t.lossy else ()))
+        tensors.append(TensorInfo(t.path, t.kind, t.dtype, array.shape, array.nbytes, round(stored), codec,
+                                  _error(lossy.error if lossy else None), t.lossy.notes if t.lossy else (),
+                                  array.shards, array.boxes))
     return CheckpointInfo(
         step=manifest.step, time=manifest.time, logical_bytes=manifest.logical_bytes,
         stored_bytes=manifest.stored_bytes, added_bytes=manifest.added_bytes,
         metrics=metrics_from_manifest(manifest.metrics),
         metadata=manifest.metadata, tensors=tensors, num_chunks=len(chunks),
+        sharded=any(a.sharded for a in arrays), num_shards=sum(a.shards for a in arrays),
+        max_shards=max((a.shards for a in arrays), default=1),
     )
 
 

@@ -7,8 +7,12 @@ dtypes only), and the bytes the second checkpoint added to the vault for it
 the two are listed apart; so are Python scalars of the skeleton that differ
 (a step counter, a learning rate).
 
-Cost: arrays whose chunks are the same objects in both checkpoints are equal
-by construction (chunks are named by their content) and are not read. The
+An array of a DCP checkpoint stored as the shards its ranks held is one array
+here, of its global shape, compared whole (consolidated from its shards).
+
+Cost: arrays whose chunks are the same objects in both checkpoints (cut into
+the same shards) are equal by construction (chunks are named by their content)
+and are not read. The
 others are read from both checkpoints, ``batch_bytes`` at a time, so memory
 stays near two batches (or two copies of the largest differing array).
 """
@@ -25,11 +29,13 @@ import numpy as np
 import torch
 
 from .._arrays import itemsize_of, torch_dtype
-from .._format.records import Manifest, TensorRecord
-from .._restore.tensors import Dest, LossyReads, read_into
+from .._format.records import Manifest
+from .._format.shards import box_of
+from .._restore.tensors import Dest, LossyReads, read_into, read_sharded
 from .._tree import leaf_paths
 from .._vault import Vault
 from ..rules import any_match
+from .arrays import StoredArray, stored_arrays
 
 log = logging.getLogger(__name__)
 
@@ -120,29 +126,30 @@ def diff_steps(vault: Vault, step_a: int, step_b: int, keys: Iterable[str] | Non
                progress: Progress | None = None, batch_bytes: int = BATCH_BYTES) -> CheckpointDiff:
     """Compare checkpoint ``step_a`` with ``step_b`` (``keys``: only matching key paths).
 
-    Reads and verifies both manifests (StepNotFoundError, CorruptManifestError)
-    and every chunk of the arrays that differ (CorruptChunkError). ``progress``
-    receives bytes as they are read.
+    Arrays are compared whole: an array of a DCP checkpoint stored as shards (``_reports/arrays.py``) is
+    consolidated from them, so two steps saved at different world sizes (shards cut differently), or one saved by
+    DCP and one by ``CheckpointManager.save``, compare by value. Reads and verifies both manifests
+    (StepNotFoundError, CorruptManifestError) and every chunk of the arrays that differ (CorruptChunkError).
+    ``progress`` receives bytes as they are read.
     """
     ma, mb = vault.read_manifest(step_a), vault.read_manifest(step_b)
     patterns = [keys] if isinstance(keys, str) else list(keys) if keys is not None else None
-    ta, tb = _records(ma, patterns), _records(mb, patterns)
+    ta, tb = _arrays(ma, patterns), _arrays(mb, patterns)
     result = CheckpointDiff(step_a, step_b, added_bytes_b=mb.added_bytes, stored_bytes_b=mb.stored_bytes,
                             logical_bytes_b=mb.logical_bytes, keyframe_step_b=mb.keyframe)
     result.only_a = [_only(ma, r, added=False) for p, r in ta.items() if p not in tb]
     result.only_b = [_only(mb, r, added=True) for p, r in tb.items() if p not in ta]
-    to_read: list[tuple[str, int, int]] = []
-    for path, (ib, rb) in ((p, r) for p, r in tb.items() if p in ta):
-        ia, ra = ta[path]
-        added = _added_share(mb, rb)
-        if ra.dtype != rb.dtype or ra.shape != rb.shape or ra.kind != rb.kind:
-            numel = _numel(rb)
-            result.tensors.append(_tensor_diff(rb, "retyped", numel, None, added))
-        elif _chunk_refs(ma, ra) == _chunk_refs(mb, rb):
-            result.tensors.append(_tensor_diff(rb, "same", 0, 0, added))
+    to_read: list[tuple[StoredArray, StoredArray]] = []
+    for path, array_b in ((p, r) for p, r in tb.items() if p in ta):
+        array_a = ta[path]
+        added = _added_share(mb, array_b)
+        if array_a.dtype != array_b.dtype or array_a.shape != array_b.shape or array_a.kind != array_b.kind:
+            result.tensors.append(_tensor_diff(array_b, "retyped", _numel(array_b), None, added))
+        elif _chunk_refs(ma, array_a) == _chunk_refs(mb, array_b):
+            result.tensors.append(_tensor_diff(array_b, "same", 0, 0, added))
         else:
-            to_read.append((path, ia, ib))
-    for batch in _batches(to_read, mb, batch_bytes):
+            to_read.append((array_a, array_b))
+    for batch in _batches(to_read, batch_bytes):
         result.tensors.extend(_compare_batch(vault, ma, mb, batch, progress))
     order = {path: position for position, path in enumerate(tb)}
     result.tensors.sort(key=lambda t: order[t.path])
@@ -153,55 +160,56 @@ def diff_steps(vault: Vault, step_a: int, step_b: int, keys: Iterable[str] | Non
 
 
 # -- records and sizes -------------------------------------------------------------------------------------
-def _records(manifest: Manifest, patterns: list[str] | None) -> dict[str, tuple[int, TensorRecord]]:
-    """Key path -> (index, tensor record) of every array, in manifest order, filtered by ``patterns``."""
-    out = {}
-    for index, record in enumerate(manifest.tensors):
-        if record.kind == "part":  # a lossy tensor's block scales: compared through the tensor they decode
-            continue
-        if patterns is None or any_match(record.path, patterns):
-            out[record.path] = (index, record)
+def _arrays(manifest: Manifest, patterns: list[str] | None) -> dict[str, StoredArray]:
+    """Key path -> array (its shards, if stored as shards, as one), in manifest order, filtered by ``patterns``."""
+    return {array.path: array for array in stored_arrays(manifest)
+            if patterns is None or any_match(array.path, patterns)}
+
+
+def _numel(array: StoredArray) -> int:
+    return 1 if array.kind == "pickle" else math.prod(array.shape)
+
+
+def _chunk_refs(manifest: Manifest, array: StoredArray) -> list[Any]:
+    """What the restored value depends on: each record's box and chunks and, for a lossy one, its codec, scales
+    and keyframe copy. Equal for two arrays stored as the same bytes, cut into the same shards."""
+    out: list[Any] = []
+    for index in array.indices:
+        record = manifest.tensors[index]
+        lossy = record.lossy if record.is_lossy else None
+        pieces = [*record.pieces]
+        if lossy is not None:
+            pieces += [p for j in lossy.parts.values() for p in manifest.tensors[j].pieces] + list(lossy.base_pieces or ())
+        codec = (lossy.codec, lossy.block) if lossy is not None else (None, None)
+        out += [box_of(record)[1], record.shape, codec] + [(manifest.chunks[p.chunk].id, p.offset, p.length)
+                                                          for p in pieces]
     return out
 
 
-def _numel(record: TensorRecord) -> int:
-    return 1 if record.kind == "pickle" else record.numel
-
-
-def _chunk_refs(manifest: Manifest, record: TensorRecord) -> list[Any]:
-    """What the restored value depends on: the record's chunks and, for a lossy one, its codec, scales and keyframe copy."""
-    lossy = record.lossy if record.is_lossy else None
-    pieces = [*record.pieces]
-    if lossy is not None:
-        pieces += [p for j in lossy.parts.values() for p in manifest.tensors[j].pieces] + list(lossy.base_pieces or ())
-    codec = (lossy.codec, lossy.block) if lossy is not None else (None, None)
-    return [codec] + [(manifest.chunks[p.chunk].id, p.offset, p.length) for p in pieces]
-
-
-def _added_share(manifest: Manifest, record: TensorRecord) -> int:
-    """The record's share of the stored size of the chunks its checkpoint created."""
+def _added_share(manifest: Manifest, array: StoredArray) -> int:
+    """The array's share of the stored size of the chunks its checkpoint created (over all its shards)."""
     chunks = manifest.chunks
-    share = sum(chunks[p.chunk].stored * p.length / max(chunks[p.chunk].raw, 1) for p in record.pieces
-                if chunks[p.chunk].new)
+    share = sum(chunks[p.chunk].stored * p.length / max(chunks[p.chunk].raw, 1)
+                for index in array.indices for p in manifest.tensors[index].pieces if chunks[p.chunk].new)
     return round(share)
 
 
-def _only(manifest: Manifest, entry: tuple[int, TensorRecord], added: bool) -> OnlyIn:
-    record = entry[1]
-    return OnlyIn(record.path, record.kind, record.dtype, list(record.shape), record.restored_nbytes,
-                  _added_share(manifest, record) if added else 0)
+def _only(manifest: Manifest, array: StoredArray, added: bool) -> OnlyIn:
+    return OnlyIn(array.path, array.kind, array.dtype, list(array.shape), array.nbytes,
+                  _added_share(manifest, array) if added else 0)
 
 
-def _tensor_diff(record: TensorRecord, status: str, changed: int, max_abs: float | int | None, added: int) -> TensorDiff:
-    return TensorDiff(record.path, record.kind, record.dtype, list(record.shape), _numel(record), record.restored_nbytes,
+def _tensor_diff(array: StoredArray, status: str, changed: int, max_abs: float | int | None, added: int) -> TensorDiff:
+    return TensorDiff(array.path, array.kind, array.dtype, list(array.shape), _numel(array), array.nbytes,
                       status, changed, max_abs, added)
 
 
-def _batches(items: list[tuple[str, int, int]], manifest: Manifest, limit: int) -> Iterable[list[tuple[str, int, int]]]:
-    batch: list[tuple[str, int, int]] = []
+def _batches(items: list[tuple[StoredArray, StoredArray]], limit: int
+             ) -> Iterable[list[tuple[StoredArray, StoredArray]]]:
+    batch: list[tuple[StoredArray, StoredArray]] = []
     size = 0
     for item in items:
-        nbytes = manifest.tensors[item[2]].restored_nbytes
+        nbytes = item[1].nbytes
         if batch and size + nbytes > limit:
             yield batch
             batch, size = [], 0
@@ -212,29 +220,36 @@ def _batches(items: list[tuple[str, int, int]], manifest: Manifest, limit: int) 
 
 
 # -- comparing values ----------------------------------------------------------------------------------------
-def _compare_batch(vault: Vault, ma: Manifest, mb: Manifest, batch: list[tuple[str, int, int]],
+def _compare_batch(vault: Vault, ma: Manifest, mb: Manifest, batch: list[tuple[StoredArray, StoredArray]],
                    progress: Progress | None) -> list[TensorDiff]:
-    bufs_a = _read_values(vault, ma, [ia for _p, ia, _ib in batch], progress)
-    bufs_b = _read_values(vault, mb, [ib for _p, _ia, ib in batch], progress)
+    bufs_a = _read_values(vault, ma, [a for a, _b in batch], progress)
+    bufs_b = _read_values(vault, mb, [b for _a, b in batch], progress)
     out = []
-    for _path, ia, ib in batch:
-        record = mb.tensors[ib]
-        changed, max_abs = compare_bytes(bufs_a.pop(ia), bufs_b.pop(ib), record.kind, record.dtype)
-        out.append(_tensor_diff(record, "changed" if changed else "same", changed, max_abs, _added_share(mb, record)))
+    for array_a, array_b in batch:
+        changed, max_abs = compare_bytes(bufs_a.pop(array_a.key), bufs_b.pop(array_b.key), array_b.kind,
+                                         array_b.dtype)
+        out.append(_tensor_diff(array_b, "changed" if changed else "same", changed, max_abs,
+                                _added_share(mb, array_b)))
     return out
 
 
-def _read_values(vault: Vault, manifest: Manifest, indices: list[int], progress: Progress | None
+def _read_values(vault: Vault, manifest: Manifest, arrays: list[StoredArray], progress: Progress | None
                  ) -> dict[int, np.ndarray]:
-    """Record index -> its bytes as restore returns them (a lossy record decoded to its original dtype)."""
+    """Array key (first record index) -> its bytes as restore returns them (a lossy record decoded to its
+    original dtype, an array stored as shards consolidated)."""
     tensors = manifest.tensors
-    lossy = LossyReads(tensors, [i for i in indices if tensors[i].is_lossy])
-    bufs = {i: np.empty(tensors[i].nbytes, np.uint8) for i in indices if not tensors[i].is_lossy}
+    whole = [a.key for a in arrays if not a.sharded]
+    lossy = LossyReads(tensors, [i for i in whole if tensors[i].is_lossy])
+    bufs = {i: np.empty(tensors[i].nbytes, np.uint8) for i in whole if not tensors[i].is_lossy}
     dests: dict[Dest, memoryview | Callable[[], memoryview]] = {i: b.data for i, b in bufs.items()}
     read_into(vault, manifest, {**dests, **lossy.dests()}, progress)
-    for i in indices:
+    for i in whole:
         if tensors[i].is_lossy:
             bufs[i] = lossy.decoded(i).reshape(-1).view(torch.uint8).numpy()
+    sharded = {a.tree_path for a in arrays if a.sharded and a.tree_path is not None}
+    if sharded:
+        for i, value in read_sharded(vault, manifest, sharded, progress).items():
+            bufs[i] = value.reshape(-1).view(torch.uint8).numpy()
     return bufs
 
 
@@ -337,7 +352,7 @@ def _scalars(tree: dict[str, Any], patterns: list[str] | None) -> dict[str, Any]
     out = {}
     for path, node in leaf_paths(tree).items():
         tag = next(iter(node))
-        if tag not in ("tensor", "ndarray", "npscalar", "pickle") and (patterns is None or any_match(path, patterns)):
+        if tag not in ("tensor", "ndarray", "npscalar", "pickle", "shards") and (patterns is None or any_match(path, patterns)):
             out[path] = node
     return out
 

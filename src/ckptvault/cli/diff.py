@@ -33,6 +33,11 @@ def diff(url: str, step_a: int, step_b: int, patterns: tuple[str, ...], changed_
     Python scalars that differ, and totals. Arrays stored as the same chunks
     in both checkpoints are equal by construction and not read.
 
+    An array of a DCP checkpoint (ckptvault.distributed.VaultWriter), stored
+    as the shards its ranks held, is one row of its whole SHAPE, compared
+    whole: two steps saved at different world sizes, or one by DCP and one
+    by CheckpointManager.save, compare by value.
+
     \b
     Exit status: 0 whatever the differences; 1 if a chunk or manifest is
     damaged; 2 if there is no vault at URL or A or B is not committed.

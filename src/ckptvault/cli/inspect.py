@@ -39,6 +39,7 @@ def info_json(info: CheckpointInfo) -> dict[str, Any]:
         "step": info.step, "time": info.time, "time_iso": iso_time(info.time), "logical_bytes": info.logical_bytes,
         "stored_bytes": info.stored_bytes, "added_bytes": info.added_bytes, "ratio": info.ratio,
         "compression": compression(info), "num_chunks": info.num_chunks, "num_tensors": len(info.tensors),
+        "sharded": info.sharded, "num_shards": info.num_shards, "max_shards": info.max_shards,
         "metrics": non_finite_as_str(info.metrics), "metadata": info.metadata,
     }
 
@@ -81,7 +82,9 @@ def ls(url: str, as_json: bool) -> None:
     \b
     JSON: {"url", "checkpoints": [{"step", "time", "time_iso", "logical_bytes",
     "stored_bytes", "added_bytes", "ratio" (stored/logical), "compression"
-    (logical/stored), "num_chunks", "num_tensors", "metrics", "metadata",
+    (logical/stored), "num_chunks", "num_tensors" (arrays), "sharded" (a DCP
+    checkpoint of sharded arrays), "num_shards" (records holding the arrays),
+    "max_shards" (most shards of one array), "metrics", "metadata",
     "keyframe_step", "pins", "kept"}], "damaged": [{"step", "error"}]}
     """
     with open_manager(url) as mgr:
@@ -146,10 +149,18 @@ def show(url: str, step: int | None, patterns: tuple[str, ...], as_json: bool) -
     scalars, strings and containers are kept in the manifest's skeleton and
     are not listed.
 
+    A DCP checkpoint (saved by every rank with ckptvault.distributed.VaultWriter)
+    stores an array as the shards its ranks held: it is listed once, with the
+    whole array's SHAPE, bytes summed over its shards, and SHARDS, how many
+    there are and, when they cut it along one dimension, where (2 (dim 0:
+    65+64): 65 rows, then 64).
+
     \b
     JSON: the ls fields (without "keyframe_step" and "kept") plus "pins": [TAG], "tensors": [{"path", "kind", "dtype", "shape",
-    "nbytes", "stored_bytes", "codec", "error", "notes"}]; "error" is null or
-    {"max_abs", "rel_l2", "flushed", "overflow", "nan"}
+    "nbytes", "stored_bytes", "codec", "error", "notes", "shards", "boxes":
+    [{"offsets", "shape"}]}]; "error" is null or {"max_abs", "rel_l2",
+    "flushed", "overflow", "nan"}; "boxes" is empty for an array not stored as
+    shards
     """
     with open_manager(url) as mgr:
         info = mgr.info(step)
@@ -164,11 +175,13 @@ def show(url: str, step: int | None, patterns: tuple[str, ...], as_json: bool) -
     if tensors:
         click.echo()
         lossy = any(t.error is not None for t in tensors)  # measured error columns only where a codec was lossy
-        click.echo(table(("KEY PATH", "DTYPE", "SHAPE", "LOGICAL", "STORED", "CODEC")
-                         + (("MAX ABS ERR", "REL L2", "FLUSHED") if lossy else ()), [
-            (t.path, dtype_label(t.kind, t.dtype), shape_label(t.shape), human_bytes(t.nbytes),
-             human_bytes(t.stored_bytes), t.codec) + (_error_cells(t.error) if lossy else ()) for t in tensors],
-            "lllrrlrrr"))
+        sharded = info.sharded  # the SHARDS column only for DCP checkpoints
+        click.echo(table(("KEY PATH", "DTYPE", "SHAPE") + (("SHARDS",) if sharded else ())
+                         + ("LOGICAL", "STORED", "CODEC") + (("MAX ABS ERR", "REL L2", "FLUSHED") if lossy else ()), [
+            (t.path, dtype_label(t.kind, t.dtype), shape_label(t.shape)) + ((shards_label(t),) if sharded else ())
+            + (human_bytes(t.nbytes), human_bytes(t.stored_bytes), t.codec)
+            + (_error_cells(t.error) if lossy else ()) for t in tensors],
+            "llllrrlrrr" if sharded else "lllrrlrrr"))
         for t in tensors:
             for note in t.notes:
                 click.echo(f"note: {t.path}: {note}")
@@ -180,9 +193,20 @@ def _error_cells(error: dict[str, float] | None) -> tuple[str, str, str]:
     return (f"{error['max_abs']:.3g}", f"{error['rel_l2']:.3g}", percent(error["flushed"], 1))
 
 
+def shards_label(t: TensorInfo) -> str:
+    """The SHARDS cell: ``"2 (dim 0: 65+64)"`` when every shard spans the array but in one dimension (FSDP, tensor
+    parallel), else the count (``"1"``: stored whole, such as a replicated tensor saved once)."""
+    if len(t.boxes) < 2:
+        return str(t.shards)
+    cut = [d for d in range(len(t.shape)) if any(shape[d] != t.shape[d] for _offsets, shape in t.boxes)]
+    if len(cut) != 1:
+        return str(t.shards)
+    dim = cut[0]
+    return f"{t.shards} (dim {dim}: {'+'.join(str(s[dim]) for _o, s in sorted(t.boxes, key=lambda b: b[0][dim]))})"
+
+
 def _tensor_json(t: TensorInfo) -> dict[str, Any]:
-    return {"path": t.path, "kind": t.kind, "dtype": t.dtype, "shape": list(t.shape), "nbytes": t.nbytes,
-            "stored_bytes": t.stored_bytes, "codec": t.codec, "error": t.error, "notes": list(t.notes)}
+    return t.to_dict()
 
 
 def _header(info: CheckpointInfo, url: str, tags: list[str]) -> list[tuple[str, str]]:
@@ -194,6 +218,8 @@ def _header(info: CheckpointInfo, url: str, tags: list[str]) -> list[tuple[str, 
         ("stored", f"{human_bytes(info.stored_bytes)} in {info.num_chunks} chunks, compression {compression_label(info)} "
                    f"({percent(info.stored_bytes, info.logical_bytes)} of logical)"),
         ("added", f"{human_bytes(info.added_bytes)} new to the vault with this checkpoint"),
+        *([("layout", f"sharded (a DCP checkpoint): {len(info.tensors)} arrays stored as {info.num_shards} shards, "
+                      f"at most {info.max_shards} per array")] if info.sharded else []),
         ("metrics", compact_mapping(info.metrics) or "-"),
         ("metadata", compact_mapping(info.metadata) or "-"),
         ("pins", ", ".join(tags) or "-"),
