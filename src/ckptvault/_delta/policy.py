@@ -187,13 +187,15 @@ class DeltaContext:
 
     ``keyframe``: the keyframe's manifest, or None when this save writes a
     keyframe. ``known_bases``: chunk id -> delta base (or None) for chunks of
-    recent manifests, so reusing them needs no header read. ``guard``: those
+    recent manifests, so reusing them needs no header read; ``known_stored``:
+    their stored sizes, so reusing one the guard watches needs no request at all. ``guard``: those
     manifests as stat'ed before they were read, so the chunks they name need
     no touch (``_save/guard.py``). ``cache``: the saver's keyframe cache, if it keeps one.
     """
 
     keyframe: Manifest | None = None
     known_bases: dict[str, str | None] = field(default_factory=dict)
+    known_stored: dict[str, int] = field(default_factory=dict)
     since_keyframe: int = 0
     cache: KeyframeCache | None = None
     guard: ManifestGuard = field(default_factory=ManifestGuard)
@@ -222,10 +224,11 @@ def delta_context(vault: Vault, policy: DeltaPolicy, step: int) -> DeltaContext:
         log.info("writing a keyframe: no usable previous keyframe (%s)", exc)
         return DeltaContext()
     known = {**keyframe.chunk_bases(), **latest.chunk_bases()}
+    stored = {c.id: c.stored for m in (keyframe, latest) for c in m.chunks}
     guard = ManifestGuard(watched, known)
     if policy.needs_keyframe(latest, keyframe):
-        return DeltaContext(known_bases=known, guard=guard)
-    return DeltaContext(keyframe, known, latest.since_keyframe + 1, guard=guard)
+        return DeltaContext(known_bases=known, known_stored=stored, guard=guard)
+    return DeltaContext(keyframe, known, stored, latest.since_keyframe + 1, guard=guard)
 
 
 def _read_watched(vault: Vault, step: int, watched: dict[str, tuple[int, float]]) -> Manifest:

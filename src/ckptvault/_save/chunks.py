@@ -104,6 +104,7 @@ class _ChunkWriter:
                  batch: WriteBatch) -> None:
         self.vault, self.snapshot, self.progress, self.batch = vault, snapshot, progress, batch
         self.known_bases, self.keyframe_step, self.guard = delta.known_bases, delta.keyframe_step, delta.guard
+        self.known_stored = delta.known_stored
         self.cache = delta.cache  # a keyframe save fills it (it ignores adds otherwise); delta saves read it
         self._claimed: dict[str, threading.Event] = {}
         self._done: dict[str, tuple[int, str | None]] = {}
@@ -141,6 +142,10 @@ class _ChunkWriter:
         Whether the vault has it is asked first (the probe) where :meth:`_should_probe` says so; otherwise the
         create-if-absent write answers it, after sending the chunk."""
         store, key = self.vault.store, chunk_key(cid)
+        if cid in self.guard.chunk_ids and cid in self.known_stored:
+            # named by a manifest the guard watches: no request; commit() checks that it exists (guard.py)
+            self.guard.protect(store, cid)
+            return False, self.known_stored[cid], self.known_bases.get(cid)
         if self._should_probe(cid):
             try:
                 size = store.stat(key).size

@@ -298,11 +298,12 @@ class VaultWriter(_OnVault, StorageWriter, AsyncStager):
         chunks of the manifests it read, which this rank reuses without a touch (the commit checks them again)."""
         manifests = [self._read(vault, key, seen) for key, seen in shared.watched]
         known = {cid: base for m in manifests for cid, base in m.chunk_bases().items()}
+        stored = {c.id: c.stored for m in manifests for c in m.chunks}
         keyframe = next((m for m in manifests if m.step == shared.keyframe_step), None)
         if shared.keyframe_step is not None and keyframe is None:
             raise SaveError(f"the coordinator chose keyframe {shared.keyframe_step}, which it did not read")
         guard = ManifestGuard(dict(shared.watched), known)
-        return DeltaContext(keyframe, known, shared.since_keyframe, guard=guard)
+        return DeltaContext(keyframe, known, stored, shared.since_keyframe, guard=guard)
 
     def _read(self, vault: Vault, key: str, seen: tuple[int, float]) -> Manifest:
         """The manifest at ``key`` as the coordinator stat'ed it, read once per writer (it may save again)."""
