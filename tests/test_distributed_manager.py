@@ -63,7 +63,7 @@ def test_every_rank_saves_collectively_and_sees_the_same_commits(job: tuple[str,
 
 
 def test_values_that_differ_between_ranks_are_kept_per_rank(job: tuple[str, Path]) -> None:
-    """Without a process group the checkpoint reads whole: the per-rank values of both ranks side by side, the
+    """(DESIGN D4) Without a process group the checkpoint reads whole: the per-rank values of both ranks side by side, the
     values every rank had alike once."""
     url, _ = job
     with ckptvault.CheckpointManager(url) as mgr:
@@ -122,6 +122,7 @@ def test_a_save_at_four_ranks_restores_at_three(tmp_path: Path) -> None:
 
 
 def test_a_rank_whose_storage_fails_commits_nothing_and_every_rank_is_told(tmp_path: Path) -> None:
+    """(DESIGN D1, D2) Rank 1's chunk writes fail with ENOSPC: no manifest, and both ranks get its error."""
     url = str(tmp_path / "vault")
     codes = dist_manager.spawn_independent(dist_manager.fail_during_write, 2, (url, str(tmp_path), "raise", 30.0),
                                            tmp_path)
@@ -135,7 +136,7 @@ def test_a_rank_whose_storage_fails_commits_nothing_and_every_rank_is_told(tmp_p
 
 
 def test_a_rank_killed_while_writing_commits_nothing_and_the_survivors_name_it(tmp_path: Path) -> None:
-    """SIGKILL of rank 1 of 4 inside its chunk writes: every survivor raises RankFailedError naming rank 1 (and
+    """(DESIGN D1, D2) SIGKILL of rank 1 of 4 inside its chunk writes: every survivor raises RankFailedError naming rank 1 (and
     only it) well within the 30 s timeout."""
     url = str(tmp_path / "vault")
     codes = dist_manager.spawn_independent(dist_manager.fail_during_write, 4, (url, str(tmp_path), "kill", 30.0),
@@ -150,6 +151,7 @@ def test_a_rank_killed_while_writing_commits_nothing_and_the_survivors_name_it(t
 
 
 def test_a_vault_path_that_differs_between_ranks_is_refused_before_anything_is_written(tmp_path: Path) -> None:
+    """(DESIGN D5) Each rank names a directory of its own: UnsharedVaultError on both, and no file anywhere."""
     base = tmp_path / "nodes"
     base.mkdir()
     dcp_worker.spawn(dist_manager.unshared, 2, (str(base), str(tmp_path)), tmp_path)
