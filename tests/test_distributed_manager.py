@@ -162,6 +162,21 @@ def test_a_vault_path_that_differs_between_ranks_is_refused_before_anything_is_w
         assert report["files"] == []
 
 
+def test_dcp_async_save_with_the_plugin_blocks_for_a_staged_copy_reused_across_saves(tmp_path: Path) -> None:
+    """VaultWriter as DCP's AsyncStager: training goes on as soon as ``dcp.async_save`` returns, each step holds
+    the state of its call, and the second save stages into the first one's buffers."""
+    url = str(tmp_path / "vault")
+    dcp_worker.spawn(dist_manager.plugin_async, 2, (url, str(tmp_path)), tmp_path)
+    with ckptvault.CheckpointManager(url) as mgr:
+        assert mgr.steps() == [1, 2]
+        for step in (1, 2):
+            saved = mgr.restore(step)
+            assert_same_state(torch.load(tmp_path / f"async_{step}.pt"), {"model": saved["model"], "optim": saved["optim"]})
+    for rank in (0, 1):
+        report = _json(tmp_path / f"async_rank{rank}.json")
+        assert report["reused"] is True and report["buffers"] > 0
+
+
 # -- per-rank bookkeeping, in this process -------------------------------------------------------------------------
 
 def test_per_rank_units_are_found_by_pattern_by_difference_and_by_absence() -> None:

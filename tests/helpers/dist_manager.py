@@ -186,3 +186,34 @@ def spawn_independent(fn: Any, world: int, args: tuple[Any, ...], tmp: Path, tim
         else:
             codes.append(process.exitcode)
     return codes
+
+
+def plugin_async(rank: int, world: int, store: str, url: str, out: str) -> None:
+    """``dcp.async_save`` with one VaultWriter (DCP's AsyncStager) for steps 1 and 2: training changes the model as
+    soon as each call returns, yet each step holds the state at its call (rank 0 writes ``async_<step>.pt``); every
+    rank reports whether its staging buffers were reused by the second save."""
+    import torch.distributed.checkpoint as dcp
+
+    from ckptvault.distributed import VaultWriter
+
+    mesh = _init(rank, world, store)
+    net, opt = _sharded(0, mesh)
+    torch.manual_seed(100 + rank)
+    _train(net, opt, 1)
+    writer = VaultWriter(url, 1, chunk_size=64 << 10)
+    group = dist.new_group(backend="gloo")  # the save's collectives run beside training's: a group of their own
+    pointers = []
+    for step in (1, 2):
+        expected = _full(net, opt)
+        model, optim = get_state_dict(net, opt)
+        future = dcp.async_save({"model": model, "optim": optim}, storage_writer=writer, checkpoint_id=step,
+                                process_group=group)
+        pointers.append(sorted(buffer.data_ptr() for buffer in writer._staging._buffers.values()))
+        _train(net, opt, 1)  # changes the live parameters while the save is in flight
+        future.result()
+        if rank == 0:
+            torch.save(expected, Path(out) / f"async_{step}.pt")
+    report = {"reused": pointers[0] == pointers[1], "buffers": len(pointers[0])}
+    Path(out, f"async_rank{rank}.json").write_text(json.dumps(report))
+    dist.barrier()
+    dist.destroy_process_group()
