@@ -53,6 +53,7 @@ def test_every_rank_saves_collectively_and_sees_the_same_commits(job: tuple[str,
         report = _json(out / f"save_rank{rank}.json")
         assert report["distributed"] is True and report["steps"] == [2, 3] and report["info_2"] == 2
         assert report["exists"].startswith("step 3 is already committed")  # a StepExistsError on every rank
+        assert report["cached_bytes"] > 0  # asynchronous: the keyframe cache holds this rank's keyframe chunks
     assert [p.name for p in manifest_files(url)] == [f"{2:020d}.json", f"{3:020d}.json"]
     with ckptvault.CheckpointManager(url) as mgr:
         assert mgr.info(2).metrics == {"loss": 1.0}

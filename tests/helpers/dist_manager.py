@@ -66,6 +66,8 @@ def train_and_save(rank: int, world: int, store: str, url: str, out: str, async_
         mgr.wait()
         report["info_2"] = handle.wait().step if handle.wait() is not None else None
         report["steps"] = mgr.steps()
+        cache = mgr._collective._keyframe_cache  # keyframe 2's chunks of this rank, kept for step 3's deltas
+        report["cached_bytes"] = 0 if cache is None else cache.nbytes
         try:
             mgr.save(3, _state(net, opt, 3, loader=0))
             mgr.wait()

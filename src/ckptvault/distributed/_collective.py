@@ -38,6 +38,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
+from .._delta.policy import KeyframeCache
 from .._feedback import reissue_deferred
 from .._format.records import Manifest
 from .._restore.tensors import restore_tree
@@ -104,6 +105,9 @@ class Collective:
         self.board.start()
         self._shared_checked = False
         self._staging = HostStaging()
+        keep = settings.async_save if settings.delta.cache_keyframe is None else settings.delta.cache_keyframe
+        deltas = settings.incremental and settings.delta.keyframe_every > 1
+        self._keyframe_cache = KeyframeCache() if keep and deltas else None
         self._manifests: dict[Any, Manifest] = {}  # the writers' manifests read for deltas, kept across saves
         self._executor: ThreadPoolExecutor | None = None
         self._inflight: SaveHandle | None = None
@@ -216,7 +220,7 @@ class Collective:
                              metrics=request.metrics, metadata=request.metadata, incremental=s.incremental,
                              delta=s.delta)
         writer._lent, writer._staging, writer._manifests = self.vault, self._staging, self._manifests
-        writer.progress = request.progress
+        writer.progress, writer.keyframe_cache = request.progress, self._keyframe_cache
         return writer
 
     def _complete(self, handle: SaveHandle, writer: VaultWriter, state: dict[str, Any], step: int) -> None:
@@ -233,12 +237,15 @@ class Collective:
                 raise self._stopped(what, exc) from exc
             manifest = writer.manifest if writer.manifest is not None else self.vault.read_manifest(step)
         except BaseException as caught:  # noqa: BLE001 - handed to the caller, not swallowed
+            if self._keyframe_cache is not None:
+                self._keyframe_cache.abort()
             log.error("%s", caught)
             with self._lock:
                 self._error = caught
             handle.committed.set_exception(caught)
             return
         handle.committed.set_result(info_from_manifest(manifest))
+        self._keep_keyframe(step)
         if self.rank == 0 and self.after_commit is not None:
             try:
                 self.after_commit(step)
@@ -246,6 +253,16 @@ class Collective:
                 log.error("the retention after step %d failed: %s", step, exc)
                 with self._lock:
                     self._error = exc
+
+    def _keep_keyframe(self, step: int) -> None:
+        """Keep committed keyframe ``step``'s chunks in the cache (the bytes noted are this save's staging buffers, or
+        a synchronous save's state, which the caller may change only once this returns)."""
+        if self._keyframe_cache is None:
+            return
+        try:
+            self._keyframe_cache.commit(step, self.vault.pool)
+        except Exception as exc:  # noqa: BLE001 - the save is committed; deltas read the keyframe from the store
+            log.warning("could not keep keyframe %d in the keyframe cache (%s); its deltas will read it back", step, exc)
 
     def raise_pending(self) -> None:
         with self._lock:

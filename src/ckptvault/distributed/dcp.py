@@ -62,7 +62,7 @@ from .._arrays import (
 )
 from .._codecs import DEFAULT_CODEC, validate_codec_name
 from .._codecs.lossy import parse_codec
-from .._delta.policy import DeltaContext, DeltaPolicy, delta_context
+from .._delta.policy import DeltaContext, DeltaPolicy, KeyframeCache, delta_context
 from .._format import records
 from .._format.keys import step_of_manifest_key
 from .._format.manifest import manifest_key
@@ -217,6 +217,9 @@ class VaultWriter(_OnVault, StorageWriter, AsyncStager):
         self.manifest: Manifest | None = None  # the coordinator's last committed manifest
         #: called with the size of each chunk this rank writes or finds stored (``CheckpointManager.save``'s)
         self.progress: Callable[[int], None] | None = None
+        #: a CheckpointManager's keyframe cache (``_delta/policy.py``): a keyframe save notes its chunks, which the
+        #: manager keeps once ``dcp.save`` returned (committed); delta saves encode against it without reading
+        self.keyframe_cache: KeyframeCache | None = None
 
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         """DCP's AsyncStager: a copy of ``state_dict`` whose tensors (a DTensor's local shard) are in host buffers
@@ -303,7 +306,10 @@ class VaultWriter(_OnVault, StorageWriter, AsyncStager):
         if shared.keyframe_step is not None and keyframe is None:
             raise SaveError(f"the coordinator chose keyframe {shared.keyframe_step}, which it did not read")
         guard = ManifestGuard(dict(shared.watched), known)
-        return DeltaContext(keyframe, known, stored, shared.since_keyframe, guard=guard)
+        cache = self.keyframe_cache
+        if cache is not None and keyframe is None:
+            cache.begin(shared.step)  # filled from this keyframe's chunks once its commit is known (the owner's call)
+        return DeltaContext(keyframe, known, stored, shared.since_keyframe, cache, guard)
 
     def _read(self, vault: Vault, key: str, seen: tuple[int, float]) -> Manifest:
         """The manifest at ``key`` as the coordinator stat'ed it, read once per writer (it may save again)."""
