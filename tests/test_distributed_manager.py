@@ -178,6 +178,15 @@ def test_dcp_async_save_with_the_plugin_blocks_for_a_staged_copy_reused_across_s
         assert report["reused"] is True and report["buffers"] > 0
 
 
+def test_a_manager_made_on_one_rank_only_fails_naming_the_others_instead_of_hanging(tmp_path: Path) -> None:
+    url = str(tmp_path / "vault")
+    dcp_worker.spawn(dist_manager.lonely, 2, (url, str(tmp_path)), tmp_path)
+    report = _json(tmp_path / "lonely_rank0.json")
+    assert list(report["failures"]) == ["1"] and "every rank makes one" in report["failures"]["1"]
+    assert "DistributedOptions(enabled=False)" in report["text"]
+    assert report["alone"] == [False, [1]]
+
+
 # -- per-rank bookkeeping, in this process -------------------------------------------------------------------------
 
 def test_per_rank_units_are_found_by_pattern_by_difference_and_by_absence() -> None:

@@ -219,3 +219,21 @@ def plugin_async(rank: int, world: int, store: str, url: str, out: str) -> None:
     Path(out, f"async_rank{rank}.json").write_text(json.dumps(report))
     dist.barrier()
     dist.destroy_process_group()
+
+
+def lonely(rank: int, world: int, store: str, url: str, out: str) -> None:
+    """Only rank 0 makes a manager (the rank-0-only saving of many DDP scripts): it fails after the timeout naming
+    rank 1, instead of hanging; with ``enabled=False`` rank 0 saves alone."""
+    _init(rank, world, store)
+    report: dict[str, Any] = {}
+    if rank == 0:
+        try:
+            _manager(url, False, timeout=2.0)
+        except RankFailedError as exc:
+            report = {"text": str(exc), "failures": {str(k): v for k, v in exc.failures.items()}}
+        with _manager(url, False, enabled=False) as mgr:
+            mgr.save(1, {"w": torch.ones(3)})
+            report["alone"] = [mgr.distributed, mgr.steps()]
+    Path(out, f"lonely_rank{rank}.json").write_text(json.dumps(report))
+    dist.barrier()
+    dist.destroy_process_group()

@@ -82,3 +82,36 @@ class HeartbeatBoard:
         keys = [f"beat/{rank}" for rank in range(self.world)]
         return {rank: (self.store.get(key).decode() if self.store.check([key]) else None)
                 for rank, key in enumerate(keys)}
+
+
+#: seconds a rank waits for the others to make their manager before it says what it waits for
+JOIN_WARNING_S = 10.0
+_MADE = [0]  # managers this process made in a job: ranks make theirs in the same order, so the n-th ones meet
+
+
+def join(rank: int, world: int, timeout: float) -> int:
+    """Wait until every rank has made its n-th distributed CheckpointManager (n: this process's count), so that a
+    manager made on one rank only fails with a clear error instead of hanging in the collectives that follow.
+    Returns n. RankFailedError naming the ranks that never came, after ``timeout`` seconds (a warning after
+    ``JOIN_WARNING_S``)."""
+    from ..errors import RankFailedError
+
+    _MADE[0] += 1
+    number = _MADE[0]
+    store = dist.PrefixStore(f"ckptvault/join/{number}/", _default_store())
+    store.set(str(rank), "1")
+    keys = [str(r) for r in range(world)]
+    start, warned = time.monotonic(), False
+    while not store.check(keys):
+        waited = time.monotonic() - start
+        missing = [r for r in range(world) if not store.check([str(r)])]
+        if waited > timeout:
+            why = ("never made its CheckpointManager: in a torch.distributed job every rank makes one (a collective); "
+                   "to save from one rank alone, pass distributed=DistributedOptions(enabled=False)")
+            raise RankFailedError("making the CheckpointManager", dict.fromkeys(missing, why))
+        if waited > JOIN_WARNING_S and not warned:
+            log.warning("rank %d waits for ranks %s to make their CheckpointManager (every rank makes one; to save "
+                        "from one rank alone, pass distributed=DistributedOptions(enabled=False))", rank, missing)
+            warned = True
+        time.sleep(0.05)
+    return number

@@ -56,7 +56,7 @@ from ..errors import (
 from ..handle import SaveHandle
 from ..info import info_from_manifest
 from ..options import DeltaOptions, DistributedOptions
-from ._board import HeartbeatBoard
+from ._board import HeartbeatBoard, join
 from ._per_rank import digest, own_values, per_rank_paths, saved_ranks, units, unwrap_targets, wrap, wrap_targets
 from ._staging import HostStaging
 from .dcp import VaultReader, VaultWriter, lossless_rules
@@ -97,6 +97,7 @@ class Collective:
                  after_commit: Callable[[int], None] | None) -> None:
         self.vault, self.options, self.settings, self.after_commit = vault, options, settings, after_commit
         self.codec_rules = lossless_rules(settings.codec_rules, settings.codec)
+        join(dist.get_rank(), dist.get_world_size(), options.timeout)  # a manager on one rank only: an error, no hang
         timeout = timedelta(seconds=options.timeout)
         self.saves = dist.new_group(backend="gloo", timeout=timeout)  # the (background) saves' DCP collectives
         self.control = dist.new_group(backend="gloo", timeout=timeout)  # the caller's thread: agreement, loads
