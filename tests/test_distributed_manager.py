@@ -99,7 +99,8 @@ def test_a_resume_at_the_same_world_size_is_bit_exact(job: tuple[str, Path]) -> 
     assert_same_state(torch.load(out / "expected_3.pt"), torch.load(out / "restored_w2.pt"))
     assert_same_state(torch.load(out / "final.pt"), torch.load(out / "resumed_w2.pt"))
     assert [_json(out / f"resume_w2_rank{r}.json") for r in (0, 1)] == [
-        {"step": 3, "loader": {"position": 1}}, {"step": 3, "loader": {"position": 11}}]
+        {"step": 3, "loader": {"position": 1}, "strict_error": None},
+        {"step": 3, "loader": {"position": 11}, "strict_error": None}]
 
 
 @pytest.mark.parametrize("world", [1, 4])
@@ -109,8 +110,12 @@ def test_a_restore_at_another_world_size_is_exact(job: tuple[str, Path], world: 
     url, out = job
     dcp_worker.spawn(dist_manager.resume, world, (url, str(out), 0), out, timeout=180)
     assert_same_state(torch.load(out / "expected_3.pt"), torch.load(out / f"restored_w{world}.pt"))
-    loaders = [_json(out / f"resume_w{world}_rank{r}.json")["loader"] for r in range(world)]
-    assert loaders == [{"position": 1}, {"position": 11}, None, None][:world]
+    reports = [_json(out / f"resume_w{world}_rank{r}.json") for r in range(world)]
+    assert [r["loader"] for r in reports] == [{"position": 1}, {"position": 11}, None, None][:world]
+    if world == 4:  # strict: ranks 2 and 3 have no value of their own, and every rank stops (none hangs)
+        errors = [r["strict_error"] for r in reports]
+        assert errors[2].startswith("KeyMismatchError: 'loader' holds per-rank values of ranks [0, 1], none of rank 2")
+        assert all(e.startswith("RankFailedError: the restore of step 3 failed on ranks 2, 3") for e in errors[:2])
 
 
 def test_a_save_at_four_ranks_restores_at_three(tmp_path: Path) -> None:

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 import ckptvault
-from ckptvault.errors import RankFailedError, StepExistsError, StorageFullError, UnsharedVaultError
+from ckptvault.errors import KeyMismatchError, RankFailedError, StepExistsError, StorageFullError, UnsharedVaultError
 from helpers.dcp_worker import FULL, Net, _init, _sharded
 
 
@@ -93,6 +93,11 @@ def resume(rank: int, world: int, store: str, url: str, out: str, train: int) ->
     _train(net, opt, 1)  # an optimizer with state, so that the restore replaces rather than creates it
     folder = Path(out)
     with _manager(url, False) as mgr:
+        strict_error = None
+        try:  # a per-rank value the save holds none of for ranks >= its world size: all ranks stop, none hangs
+            mgr.restore(3, into={"loader": {"position": -1}})
+        except (KeyMismatchError, RankFailedError) as exc:
+            strict_error = f"{type(exc).__name__}: {exc}"
         model, optim = get_state_dict(net, opt)
         state = {"model": model, "optim": optim, "step": -1}
         mgr.restore(3, into=state)
@@ -103,7 +108,7 @@ def resume(rank: int, world: int, store: str, url: str, out: str, train: int) ->
         restored = _full(net, opt)
         _train(net, opt, train)
         resumed = _full(net, opt)
-    report = {"step": state["step"], "loader": extra.get("loader")}
+    report = {"step": state["step"], "loader": extra.get("loader"), "strict_error": strict_error}
     if rank == 0:
         torch.save(restored, folder / f"restored_w{world}.pt")
         torch.save(resumed, folder / f"resumed_w{world}.pt")

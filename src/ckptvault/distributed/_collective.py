@@ -123,13 +123,33 @@ class Collective:
         if self.rank == 0:
             try:
                 box[0] = (True, fn())
-            except VaultError as exc:
-                box[0] = (False, exc)
+            except Exception as exc:  # noqa: BLE001 - raised on every rank below
+                box[0] = (False, exc if isinstance(exc, VaultError) else
+                          RankFailedError("a step rank 0 runs for all", {0: f"{type(exc).__name__}: {exc}"}))
         self._collective("agreeing with rank 0", dist.broadcast_object_list, box, src=0, group=self.control)
         ok, value = box[0]
         if not ok:
             raise value
         return value
+
+    def everywhere(self, what: str, fn: Callable[[], T]) -> T:
+        """``fn()`` on every rank, then raised on every rank if it raised on any (its own error where it failed, a
+        RankFailedError naming the failed ranks elsewhere), so no rank goes on into a collective the others left."""
+        error: BaseException | None = None
+        result: Any = None
+        try:
+            result = fn()
+        except Exception as exc:  # noqa: BLE001 - raised below, after every rank knows
+            error = exc
+        flags: list[Any] = [None] * self.world
+        mine = None if error is None else f"{type(error).__name__}: {error}"
+        self._collective(what, dist.all_gather_object, flags, mine, group=self.control)
+        if error is not None:
+            raise error
+        failed = {rank: text for rank, text in enumerate(flags) if text is not None}
+        if failed:
+            raise RankFailedError(what, failed)
+        return result
 
     def _any(self, flag: bool) -> bool:
         flags: list[Any] = [None] * self.world
@@ -173,7 +193,10 @@ class Collective:
         self._collective("checking the vault is shared", dist.all_gather_object, gathered,
                          (seen, socket.gethostname()), group=self.control)
         if self.rank == 0:
-            self.vault.store.delete(f"probes/{token}")
+            try:
+                self.vault.store.delete(f"probes/{token}")
+            except VaultError as exc:  # harmless: nothing lists probes/
+                log.warning("could not delete the vault probe %s: %s", key, exc)
         missing = {rank: host for rank, (ok, host) in enumerate(gathered) if not ok}
         if missing:
             raise UnsharedVaultError(self.vault.url, missing)
@@ -196,15 +219,15 @@ class Collective:
         self.wait_inflight()
         self.raise_pending()
         self.check_shared()
-        plain = _plain(state)
-        mine = {path: (digest, forced) for path, digest, forced in _digests(plain, self.options.per_rank)}
+        what = f"the save of step {request.step}"
+        plain, mine = self.everywhere(what, lambda: _digested(state, self.options.per_rank))
         gathered: list[Any] = [None] * self.world
         self._collective("comparing values across ranks", dist.all_gather_object, gathered, mine, group=self.control)
         wrapped = wrap(plain, per_rank_paths(gathered), self.rank)
         writer = self._writer(request, allow_pickle)
         handle = SaveHandle(request.step)
         if self.settings.async_save:
-            staged = writer.stage(wrapped)
+            staged = self.everywhere(what, lambda: writer.stage(wrapped))  # a rank out of memory: all stop here
             handle.staged.set_result(None)
             self._inflight = handle
             self._task = self._pool().submit(self._complete, handle, writer, staged, request.step)
@@ -321,7 +344,14 @@ class Collective:
         live = {key: value for key, value in into.items() if _is_live(value)}
         for key, obj in live.items():
             into[key] = obj.state_dict()
-        undo = wrap_targets(into, saved_ranks(manifest.tree), self.rank, self.world, strict)
+        undo: list[Any] = []
+        try:  # a rank the save lacked (strict) fails here, and every rank with it
+            self.everywhere(f"the restore of step {manifest.step}", lambda: undo.extend(
+                wrap_targets(into, saved_ranks(manifest.tree), self.rank, self.world, strict)))
+        except BaseException:
+            unwrap_targets(into, undo)
+            into.update(live)
+            raise
         try:
             reader = VaultReader(self.vault.url, manifest.step, allow_pickle=allow_pickle)
             reader._lent = self.vault
@@ -371,9 +401,10 @@ def _plain(state: Any) -> Any:
     return state
 
 
-def _digests(state: Any, patterns: tuple[str, ...]) -> Iterable[tuple[Any, str, bool]]:
-    if not isinstance(state, dict):
+def _digested(state: Any, patterns: tuple[str, ...]) -> tuple[dict[str, Any], dict[Any, tuple[str, bool]]]:
+    """The state with live objects as their state dicts, and {path: (digest, forced)} of its units."""
+    plain = _plain(state)
+    if not isinstance(plain, dict):
         raise InvalidArgumentError(f"a save in a distributed job takes a dict state (as dcp.save does), got "
                                    f"{type(state).__name__}")
-    for path, value, forced in units(state, patterns):
-        yield path, digest(value), forced
+    return plain, {path: (digest(value), forced) for path, value, forced in units(plain, patterns)}
