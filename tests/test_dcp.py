@@ -80,8 +80,9 @@ def test_two_ranks_commit_one_manifest_per_step_with_every_shard(saved: tuple[st
     url, _ = saved
     with ckptvault.CheckpointManager(url) as mgr:
         assert mgr.steps() == [1, 2, 3]
-        body = mgr.manifest(2)
-    assert body["requires"] == ["sharded"] and body["metrics"] == {"loss": 0.5}
+        body, keyframe = mgr.manifest(2), mgr.manifest(1)
+    assert keyframe["requires"] == ["sharded"]
+    assert body["requires"] == ["sharded", "xplanes"] and body["metrics"] == {"loss": 0.5}  # a delta needs xplanes
     shards = [t for t in body["tensors"] if t["path"] == "model.frozen.weight"]
     assert [(t["shape"], t["offsets"], t["global_shape"]) for t in shards] == [
         ([65, 128], [0, 0], [129, 128]), ([64, 128], [65, 0], [129, 128])]  # FSDP2 cuts 129 rows 65 + 64

@@ -105,12 +105,12 @@ class CheckpointManager(MaintenanceMixin):
         self._saver = Saver(self.vault, self.delta_policy, async_save=async_save, async_options=async_options,
                             after_commit=self._after_commit, safety=lossy_safety, cache_keyframe=delta.cache_keyframe)
         self._loading_kernels = load_kernels_in_background()  # the first save would otherwise wait for numba to load
-        self._collective = self._join_job(distributed, async_save, incremental, delta, async_options)
+        self._collective = self._join_job(distributed, async_save, incremental, delta, async_options, lossy_safety)
         self._closed = False
         self._rules_checked = False  # the first save warns about codec_rules patterns that match no tensor
 
     def _join_job(self, options: DistributedOptions | None, async_save: bool, incremental: bool, delta: DeltaOptions,
-                  async_options: AsyncOptions) -> Any:
+                  async_options: AsyncOptions, lossy_safety: LossySafety) -> Any:
         """The collective part of this manager in a torch.distributed job (``distributed/_collective.py``), or None."""
         check_kind("distributed", options, DistributedOptions, type(None))
         options = options or DistributedOptions()
@@ -121,7 +121,7 @@ class CheckpointManager(MaintenanceMixin):
         if not wanted(options):
             return None
         settings = SaveSettings(self._codec, self._codec_rules, self._chunk_size, incremental, delta, async_save,
-                                async_options.on_busy)
+                                async_options.on_busy, lossy_safety)
         return Collective(self.vault, options, settings, self._after_commit)
 
     @property

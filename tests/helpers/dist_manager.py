@@ -242,3 +242,41 @@ def lonely(rank: int, world: int, store: str, url: str, out: str) -> None:
     Path(out, f"lonely_rank{rank}.json").write_text(json.dumps(report))
     dist.barrier()
     dist.destroy_process_group()
+
+
+LOSSY_RULES = {"optim.state.*.exp_avg_sq": "bf16", "optim.state.*.exp_avg": "int8-block:64",
+               "model.inner.weight": "residual-int8"}
+
+
+def lossy_save(rank: int, world: int, store: str, url: str, out: str) -> None:
+    """Steps 1 (the keyframe) and 2 saved with lossy rules on sharded tensors; rank 0 writes the exact full states
+    (``lossy_<step>.pt``)."""
+    mesh = _init(rank, world, store)
+    net, opt = _sharded(0, mesh)
+    torch.manual_seed(100 + rank)
+    with ckptvault.CheckpointManager(url, async_save=False, chunk_size=64 << 10, codec_rules=LOSSY_RULES) as mgr:
+        for step in (1, 2):
+            _train(net, opt, 1)
+            exact = _full(net, opt)
+            mgr.save(step, _state(net, opt, step, loader=0))
+            if rank == 0:
+                torch.save(exact, Path(out) / f"lossy_{step}.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def lossy_load(rank: int, world: int, store: str, url: str, out: str) -> None:
+    """Step 2 restored at this world size into a fresh FSDP2 model; rank 0 writes the full state it got."""
+    mesh = _init(rank, world, store)
+    net, opt = _sharded(1, mesh)
+    _train(net, opt, 1)
+    with _manager(url, False) as mgr:
+        model, optim = get_state_dict(net, opt)
+        state = {"model": model, "optim": optim}
+        mgr.restore(2, into=state)
+        set_state_dict(net, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        loaded = _full(net, opt)
+    if rank == 0:
+        torch.save(loaded, Path(out) / f"lossy_loaded_w{world}.pt")
+    dist.barrier()
+    dist.destroy_process_group()

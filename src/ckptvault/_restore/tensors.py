@@ -197,6 +197,7 @@ def read_sharded(vault: Vault, manifest: Manifest, selected: set[str] | None,
     """Each selected array stored as shards (a ``{"shards": [...]}`` node), whole, keyed by its first record."""
     plan = ShardedReads(manifest, selected)
     read_into(vault, manifest, plan.dests, progress, plan.copy_in)
+    plan.finish()
     return plan.out
 
 
@@ -207,7 +208,8 @@ class ShardedReads:
     The array is allocated from its ``global_shape``, which the schema matched against the elements its shards
     hold (they tile it exactly: ``_format/shards.py``). A shard whose box is contiguous in it (cut along the first
     dimension) is read in place; any other is read into a temporary, copied into its box as soon as it is filled
-    (:meth:`copy_in`, read_into's ``done``)."""
+    (:meth:`copy_in`, read_into's ``done``). A shard stored lossily is read in its stored form and decoded into its
+    box by :meth:`finish`, after the reads."""
 
     def __init__(self, manifest: Manifest, selected: set[str] | None, into: dict[str, torch.Tensor] | None = None) -> None:
         self.manifest = manifest
@@ -216,6 +218,7 @@ class ShardedReads:
         self._boxes: dict[Dest, torch.Tensor] = {}
         self._temps: dict[Dest, torch.Tensor] = {}
         self._lock = threading.Lock()
+        self._lossy_boxes: dict[int, torch.Tensor] = {}
         for path, node in leaf_paths(manifest.tree).items():
             if "shards" not in node or (selected is not None and path not in selected):
                 continue
@@ -228,10 +231,20 @@ class ShardedReads:
             for index in node["shards"]:
                 record = manifest.tensors[index]
                 box = whole[tuple(slice(o, o + n) for o, n in zip(box_of(record)[1], record.shape, strict=True))]
-                if box.is_contiguous():
+                if record.is_lossy:
+                    self._lossy_boxes[index] = box
+                elif box.is_contiguous():
                     self.dests[index] = tensor_bytes(box)
                 else:
                     self._boxes[index], self.dests[index] = box, functools.partial(self._temp, index)
+
+        self.lossy = LossyReads(manifest.tensors, self._lossy_boxes)
+        self.dests.update(self.lossy.dests())
+
+    def finish(self) -> None:
+        """After the reads: decode each lossy shard into its box."""
+        for index, box in self._lossy_boxes.items():
+            box.copy_(self.lossy.decoded(index))
 
     def _temp(self, index: int) -> memoryview:
         record = self.manifest.tensors[index]
@@ -309,6 +322,8 @@ class IntoPlan:
                 sharded.copy_in(key)
 
         read_into(vault, manifest, self.dests, progress, done)
+        if sharded is not None:
+            sharded.finish()
         for i, target in self.lossy_targets.items():
             _copy(target, self.lossy.decoded(i))
         for i, target in (self.sharded_targets or {}).items():

@@ -33,6 +33,7 @@ from .._codecs.lossy import (
     parse_codec,
 )
 from .._format.records import LossyInfo, Manifest
+from .._format.shards import box_of
 from .._parallel import map_all
 from .._vault import Vault
 from .snapshot import ArrayRecord, KeyframePiece, Snapshot
@@ -168,10 +169,12 @@ class ResidualBase:
 
 
 def _residual_base(vault: Vault, keyframe: Manifest | None, record: ArrayRecord) -> ResidualBase | None:
-    """The keyframe's exact copy of this tensor, if the keyframe stored it exactly."""
+    """The keyframe's exact copy of this tensor (of this shard: the same key path and offsets), if the keyframe
+    stored it exactly."""
     if keyframe is None:
         return None
-    index = next((i for i, t in enumerate(keyframe.tensors) if t.path == record.path), None)
+    box = record.offsets if record.offsets is not None else (0,) * len(record.shape)  # a shard: the same box
+    index = next((i for i, t in enumerate(keyframe.tensors) if t.path == record.path and box_of(t)[1] == box), None)
     entry = None if index is None else keyframe.tensors[index]
     if (index is None or entry is None or entry.kind != "torch" or entry.dtype != record.dtype
             or entry.shape != tuple(record.shape) or entry.is_lossy):

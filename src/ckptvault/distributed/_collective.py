@@ -42,6 +42,7 @@ from .._delta.policy import KeyframeCache
 from .._feedback import reissue_deferred
 from .._format.records import Manifest
 from .._restore.tensors import restore_tree
+from .._save.lossy import LossyBuffers
 from .._save.pipeline import SaveRequest
 from .._vault import Vault
 from ..errors import (
@@ -55,11 +56,11 @@ from ..errors import (
 )
 from ..handle import SaveHandle
 from ..info import info_from_manifest
-from ..options import DeltaOptions, DistributedOptions
+from ..options import DeltaOptions, DistributedOptions, LossySafety
 from ._board import HeartbeatBoard, join
 from ._per_rank import digest, own_values, per_rank_paths, saved_ranks, units, unwrap_targets, wrap, wrap_targets
 from ._staging import HostStaging
-from .dcp import VaultReader, VaultWriter, lossless_rules
+from .dcp import VaultReader, VaultWriter, checked_rules
 from .planners import VaultLoadPlanner, VaultSavePlanner
 
 log = logging.getLogger(__name__)
@@ -88,6 +89,7 @@ class SaveSettings:
     delta: DeltaOptions
     async_save: bool
     on_busy: str
+    lossy_safety: LossySafety
 
 
 class Collective:
@@ -96,7 +98,7 @@ class Collective:
     def __init__(self, vault: Vault, options: DistributedOptions, settings: SaveSettings,
                  after_commit: Callable[[int], None] | None) -> None:
         self.vault, self.options, self.settings, self.after_commit = vault, options, settings, after_commit
-        self.codec_rules = lossless_rules(settings.codec_rules, settings.codec)
+        self.codec_rules = checked_rules(settings.codec_rules, settings.codec)
         join(dist.get_rank(), dist.get_world_size(), options.timeout)  # a manager on one rank only: an error, no hang
         timeout = timedelta(seconds=options.timeout)
         self.saves = dist.new_group(backend="gloo", timeout=timeout)  # the (background) saves' DCP collectives
@@ -106,6 +108,7 @@ class Collective:
         self.board.start()
         self._shared_checked = False
         self._staging = HostStaging()
+        self._lossy_buffers = LossyBuffers()  # reused: a save starts only once the previous one is committed
         keep = settings.async_save if settings.delta.cache_keyframe is None else settings.delta.cache_keyframe
         deltas = settings.incremental and settings.delta.keyframe_every > 1
         self._keyframe_cache = KeyframeCache() if keep and deltas else None
@@ -245,6 +248,7 @@ class Collective:
                              delta=s.delta)
         writer._lent, writer._staging, writer._manifests = self.vault, self._staging, self._manifests
         writer.progress, writer.keyframe_cache = request.progress, self._keyframe_cache
+        writer.lossy_safety, writer.lossy_buffers = s.lossy_safety, self._lossy_buffers
         return writer
 
     def _complete(self, handle: SaveHandle, writer: VaultWriter, state: dict[str, Any], step: int) -> None:

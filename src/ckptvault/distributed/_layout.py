@@ -103,10 +103,8 @@ def build_manifest(step: int, placements: dict[MetadataIndex, Placement], metada
     for index in sorted(placements, key=lambda i: (order.get(i.fqn, len(order)), tuple(i.offset or ()))):
         placement = placements[index]
         chunks = [table.add(c) for c in placement.chunks]
-        new = {}
-        for local, record in enumerate(placement.records):
-            new[local] = len(tensors)
-            tensors.append(replace(record, pieces=tuple(Piece(chunks[p.chunk], p.offset, p.length) for p in record.pieces)))
+        new = {local: len(tensors) + local for local in range(len(placement.records))}
+        tensors.extend(_renumbered(record, chunks, new) for record in placement.records)
         node = renumber(placement.node, new)
         if "shards" in node and index.fqn in nodes:
             nodes[index.fqn]["shards"].extend(node["shards"])
@@ -116,10 +114,27 @@ def build_manifest(step: int, placements: dict[MetadataIndex, Placement], metada
     if missing:
         raise SaveError(f"no rank wrote {missing[:5]} ({len(missing)} of DCP's keys); nothing was committed")
     tree = nested_tree({fqn: (tuple(mapping.get(fqn, (fqn,))), node) for fqn, node in nodes.items()})
-    return new_manifest(step, table, tuple(tensors), tree=tree, logical_bytes=sum(t.nbytes for t in tensors),
-                        metrics=metrics, metadata=user_metadata, pickle=any(t.kind == "pickle" for t in tensors),
+    lossy = any(t.lossy is not None for t in tensors)
+    requires = (FEATURE, *(["lossy"] if lossy else []), *(["xplanes"] if any(c.base for c in table.entries) else []))
+    logical = sum(t.lossy.original_nbytes or t.nbytes if t.lossy is not None else t.nbytes
+                  for t in tensors if t.kind != "part")
+    return new_manifest(step, table, tuple(tensors), tree=tree, logical_bytes=logical, metrics=metrics,
+                        metadata=user_metadata, pickle=any(t.kind == "pickle" for t in tensors),
                         keyframe_step=step if keyframe_step is None else keyframe_step,
-                        since_keyframe=since_keyframe, requires=(FEATURE,))
+                        since_keyframe=since_keyframe, requires=requires)
+
+
+def _renumbered(record: TensorRecord, chunks: list[int], new: dict[int, int]) -> TensorRecord:
+    """A placement's record with its chunk indices those of the manifest's table (``chunks``) and its lossy parts'
+    record indices those of the manifest (``new``)."""
+    def moved(pieces: tuple[Piece, ...]) -> tuple[Piece, ...]:
+        return tuple(Piece(chunks[p.chunk], p.offset, p.length) for p in pieces)
+
+    lossy = record.lossy
+    if lossy is not None:
+        lossy = replace(lossy, parts={name: new[i] for name, i in lossy.parts.items()},
+                        base_pieces=None if lossy.base_pieces is None else moved(lossy.base_pieces))
+    return replace(record, pieces=moved(record.pieces), lossy=lossy)
 
 
 def nested_tree(leaves: dict[str, tuple[KeyPath, Node]]) -> Node:

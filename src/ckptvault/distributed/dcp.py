@@ -61,7 +61,7 @@ from .._arrays import (
     writable_bytes,
 )
 from .._codecs import DEFAULT_CODEC, validate_codec_name
-from .._codecs.lossy import parse_codec
+from .._codecs.lossy import LossySafety
 from .._delta.policy import DeltaContext, DeltaPolicy, KeyframeCache, delta_context
 from .._format import records
 from .._format.keys import step_of_manifest_key
@@ -72,6 +72,7 @@ from .._restore.tensors import Dest, LossyReads, read_into
 from .._save.chunks import write_chunks
 from .._save.commit import check_step, commit, json_fields
 from .._save.guard import ManifestGuard
+from .._save.lossy import LossyBuffers, apply_lossy
 from .._save.snapshot import ArrayRecord, Snapshot
 from .._tree import Flattener, Leaf, leaf_paths, unflatten
 from .._vault import Vault
@@ -195,7 +196,7 @@ class VaultWriter(_OnVault, StorageWriter, AsyncStager):
                  chunk_size: int | None = None, storage_options: StorageOptions | None = None,
                  workers: int | None = None, metrics: dict[str, Any] | None = None,
                  metadata: dict[str, Any] | None = None, incremental: bool = True,
-                 delta: DeltaOptions | None = None) -> None:
+                 delta: DeltaOptions | None = None, lossy_safety: LossySafety | None = None) -> None:
         super().__init__()
         check_kind("overwrite", overwrite, bool)
         check_kind("allow_pickle", allow_pickle, bool)
@@ -203,7 +204,9 @@ class VaultWriter(_OnVault, StorageWriter, AsyncStager):
         check_kind("delta", delta, DeltaOptions, type(None))
         if codec is not None:
             validate_codec_name(codec)
-        self.codec_rules = lossless_rules(codec_rules, codec)
+        check_kind("lossy_safety", lossy_safety, LossySafety, type(None))
+        self.codec_rules = checked_rules(codec_rules, codec)
+        self.lossy_safety = lossy_safety or LossySafety()
         self.url, self.step, self.overwrite, self.allow_pickle = url, check_step(step), overwrite, allow_pickle
         self.codec, self.chunk_size, self.storage_options, self.workers = codec, chunk_size, storage_options, workers
         self.metrics, self.metadata = json_fields(metrics, "metrics"), json_fields(metadata, "metadata")
@@ -220,6 +223,8 @@ class VaultWriter(_OnVault, StorageWriter, AsyncStager):
         #: a CheckpointManager's keyframe cache (``_delta/policy.py``): a keyframe save notes its chunks, which the
         #: manager keeps once ``dcp.save`` returned (committed); delta saves encode against it without reading
         self.keyframe_cache: KeyframeCache | None = None
+        #: where lossy encodings go; a manager's, reused across its saves (None: fresh memory each save)
+        self.lossy_buffers: LossyBuffers | None = None
 
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         """DCP's AsyncStager: a copy of ``state_dict`` whose tensors (a DTensor's local shard) are in host buffers
@@ -288,11 +293,13 @@ class VaultWriter(_OnVault, StorageWriter, AsyncStager):
         arrays = [_array_record(leaf, rules, offsets.get(i)) for i, leaf in enumerate(leaves)]
         views = [tensor_bytes(leaf.value) if leaf.kind == "torch" else ndarray_bytes(leaf.value) for leaf in leaves]
         snapshot = Snapshot({"none": None}, arrays, views, self.allow_pickle)
-        chunks, pieces = write_chunks(vault, snapshot, self.progress, self._rank_delta(vault, shared))
+        delta = self._rank_delta(vault, shared)
+        snapshot = apply_lossy(snapshot, self.lossy_safety, shared.codec, vault, delta.keyframe, self.lossy_buffers)
+        chunks, pieces = write_chunks(vault, snapshot, self.progress, delta)
         table = tuple(ChunkRef(c.id, c.raw, c.stored, c.new, c.base) for c in chunks)
         out = []
         for item, node in zip(plan.items, nodes, strict=True):
-            placement = _placement(item, node, arrays, pieces, table)
+            placement = _placement(item, node, snapshot.records, pieces, table)
             out.append(WriteResult(item.index, sum(r.nbytes for r in placement.records), placement))
         return out
 
@@ -389,35 +396,50 @@ def _array_record(leaf: Leaf, rules: CodecRules, offsets: tuple[int, ...] | None
     return ArrayRecord(leaf.path, leaf.kind, value.dtype.str, list(value.shape), value.nbytes, value.dtype.itemsize, codec)
 
 
-def lossless_rules(rules: Mapping[str, str] | Iterable[tuple[str, str]] | None,
-                    codec: str | None) -> list[tuple[str, str]]:
-    """``codec_rules`` as (pattern, codec) pairs, checked: lossless codecs only (shards are stored exactly)."""
+def checked_rules(rules: Mapping[str, str] | Iterable[tuple[str, str]] | None,
+                  codec: str | None) -> list[tuple[str, str]]:
+    """``codec_rules`` as (pattern, codec) pairs, each codec name checked (InvalidArgumentError naming it)."""
     pairs = list(rules.items()) if isinstance(rules, Mapping) else list(rules or [])
-    CodecRules(pairs, codec or DEFAULT_CODEC)  # unknown codec names and malformed rules
-    for pattern, name in pairs:
-        if parse_codec(name, DEFAULT_CODEC)[0] is not None:
-            raise InvalidArgumentError(f"codec rule {pattern!r}: {name!r} is lossy; a distributed save stores shards "
-                                       "losslessly only (zstd, lz4, none, zstd-N or 'lossless')")
+    CodecRules(pairs, codec or DEFAULT_CODEC)
     return pairs
 
 
 def _placement(item: WriteItem, node: Node, arrays: list[ArrayRecord], pieces: list[list[Any]],
                table: tuple[ChunkRef, ...]) -> Placement:
-    """The records and chunks of one item, numbered from 0 within it (``finish`` renumbers them)."""
+    """The records and chunks of one item, numbered from 0 within it (``finish`` renumbers them): the item's arrays,
+    then the ``part`` records (block scales) of those stored lossily; a residual's keyframe copy names its chunks
+    among the item's."""
     leaves = leaf_indices(node)
-    chunks: dict[int, int] = {}
+    order = leaves + [part for leaf in leaves for part in _parts(arrays[leaf])]
+    local = {index: i for i, index in enumerate(order)}
+    refs: dict[str, int] = {}
+    used: list[ChunkRef] = []
+
+    def chunk(ref: ChunkRef) -> int:
+        if ref.id not in refs:
+            refs[ref.id] = len(used)
+            used.append(ref)
+        return refs[ref.id]
+
     out = []
-    for leaf in leaves:
-        array = arrays[leaf]
-        mine = tuple(records.Piece(chunks.setdefault(p.chunk, len(chunks)), p.offset, p.length) for p in pieces[leaf])
+    for index in order:
+        array = arrays[index]
+        mine = tuple(records.Piece(chunk(table[p.chunk]), p.offset, p.length) for p in pieces[index])
         box: dict[str, Any] = {}
-        if item.tensor_data is not None:
+        if item.tensor_data is not None and index in leaves:
             box = {"global_shape": tuple(item.tensor_data.size), "offsets": tuple(item.tensor_data.chunk.offsets)}
+        lossy = array.lossy
+        if lossy is not None:
+            base = tuple(records.Piece(chunk(replace(p.chunk, new=False)), p.offset, p.length)
+                         for p in array.keyframe_pieces) or lossy.base_pieces
+            lossy = replace(lossy, parts={name: local[i] for name, i in lossy.parts.items()}, base_pieces=base)
         out.append(TensorRecord(path=array.path, kind=array.kind, dtype=array.dtype, shape=tuple(array.shape),
-                                nbytes=array.nbytes, codec=array.codec, pieces=mine, **box))
-    used = sorted(chunks, key=chunks.__getitem__)
-    return Placement(renumber(node, {leaf: i for i, leaf in enumerate(leaves)}), tuple(out),
-                     tuple(table[c] for c in used))
+                                nbytes=array.nbytes, codec=array.codec, pieces=mine, lossy=lossy, **box))
+    return Placement(renumber(node, {leaf: i for i, leaf in enumerate(leaves)}), tuple(out), tuple(used))
+
+
+def _parts(array: ArrayRecord) -> list[int]:
+    return [] if array.lossy is None else list(array.lossy.parts.values())
 
 
 def _check_before_commit(manifest: Manifest, vault: Vault) -> None:
