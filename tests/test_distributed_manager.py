@@ -269,6 +269,17 @@ def test_per_rank_values_wrap_and_unwrap_for_each_rank() -> None:
     assert own_values({"rng": {"torch": {PER_RANK: {"0": 1}}}, "step": 3}, 2, strict=False) == {"step": 3}
 
 
+def test_a_run_of_a_record_reads_only_the_pieces_that_hold_it() -> None:
+    from ckptvault._format.records import Piece
+    from ckptvault._restore.tensors import clipped
+
+    pieces = (Piece(0, 100, 40), Piece(1, 0, 60), Piece(2, 8, 20))  # a record of 120 bytes over three chunks
+    assert clipped(pieces, 0, 120) == pieces
+    assert clipped(pieces, 30, 20) == (Piece(0, 130, 10), Piece(1, 0, 10))
+    assert clipped(pieces, 100, 20) == (Piece(2, 8, 20),)
+    assert clipped(pieces, 40, 60) == (Piece(1, 0, 60),)
+
+
 def test_distributed_options_check_their_fields() -> None:
     assert ckptvault.DistributedOptions(per_rank="loader").per_rank == ("loader",)
     with pytest.raises(InvalidArgumentError, match="timeout must be a positive number of seconds, got 0"):

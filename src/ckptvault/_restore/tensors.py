@@ -31,7 +31,9 @@ from ..errors import CorruptChunkError, InvalidArgumentError, KeyMismatchError, 
 from ..rules import any_match
 
 #: where read_into writes: a record index, or ("base", index) for a residual's keyframe copy
-Dest = int | tuple[str, int]
+#: a record index; ``("base", i)``: residual record i's keyframe copy; ``("range", i, start, length)``: bytes
+#: [start, start + length) of record i (stored exactly), read alone: only the chunks holding them are fetched
+Dest = int | tuple[str, int] | tuple[str, int, int, int]
 
 
 def read_into(vault: Vault, manifest: Manifest, dests: dict[Dest, memoryview | Callable[[], memoryview]],
@@ -104,7 +106,21 @@ def read_into(vault: Vault, manifest: Manifest, dests: dict[Dest, memoryview | C
     map_all(vault.pool, fetch, sorted(jobs))
 
 
+def clipped(pieces: tuple[Piece, ...], start: int, length: int) -> tuple[Piece, ...]:
+    """The parts of ``pieces`` (a record's, in byte order) that hold its bytes [start, start + length)."""
+    out, position, end = [], 0, start + length
+    for piece in pieces:
+        low, high = max(position, start), min(position + piece.length, end)
+        if low < high:
+            out.append(Piece(piece.chunk, piece.offset + low - position, high - low))
+        position += piece.length
+    return tuple(out)
+
+
 def _pieces(tensors: tuple[TensorRecord, ...], key: Dest) -> tuple[Piece, ...]:
+    if isinstance(key, tuple) and key[0] == "range":
+        _tag, index, start, length = key  # type: ignore[misc]
+        return clipped(tensors[index].pieces, start, length)
     if isinstance(key, tuple):
         lossy = tensors[key[1]].lossy
         assert lossy is not None and lossy.base_pieces is not None  # only residual records have a base key

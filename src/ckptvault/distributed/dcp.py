@@ -26,6 +26,7 @@ errors, ...), picklable across ranks (``VaultError.__reduce__``). A failure to r
 from __future__ import annotations
 
 import io
+import math
 import os
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -56,6 +57,7 @@ from .._arrays import (
     finish_ndarray,
     host_contiguous,
     ndarray_bytes,
+    plain_cpu,
     tensor_bytes,
     torch_dtype_name,
     writable_bytes,
@@ -502,8 +504,10 @@ class VaultReader(_OnVault, StorageReader):
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        """Read this rank's items: each tensor item's shard (whole, verified) narrowed to ``storage_offsets`` and
-        ``lengths`` and copied into ``planner.resolve_tensor``'s target, then ``planner.commit_tensor``; each value
+        """Read this rank's items: a tensor item whose box is one run of its shard's bytes (a shard cut along the
+        first dimension, as FSDP cuts) straight into ``planner.resolve_tensor``'s target when that is a plain host
+        tensor, fetching only the chunks that hold the run; any other item from its shard read whole (verified),
+        narrowed to ``storage_offsets`` and ``lengths`` and copied; then ``planner.commit_tensor``. Each value is
         decoded from its tree node and handed over unpickled (``load_value``) or, to a planner without it, as a
         torch.save stream made here. The future is already done."""
         assert self._manifest is not None and self._layout is not None, "read_metadata() comes first"
@@ -517,6 +521,22 @@ class VaultReader(_OnVault, StorageReader):
                 values.append(item)
             else:
                 by_record[storage[item.storage_index]].append(item)
+        direct: dict[Dest, memoryview | Callable[[], memoryview]] = {}
+        targets: list[tuple[ReadItem, torch.Tensor]] = []
+        for index, items in list(by_record.items()):
+            for item in list(items):
+                run = _run_in(manifest, index, item, planner)
+                if run is not None:
+                    key, target = run
+                    direct[key] = tensor_bytes(target)
+                    targets.append((item, target))
+                    items.remove(item)
+            if not items:
+                del by_record[index]
+        if direct:
+            read_into(self._open(), manifest, direct)
+            for item, target in targets:
+                planner.commit_tensor(item, target)
         for batch in _batches(manifest, list(by_record)):
             shards = _read_records(self._open(), manifest, batch)
             for index in batch:
@@ -568,6 +588,22 @@ def _read_records(vault: Vault, manifest: Manifest, indices: list[int]) -> dict[
     read_into(vault, manifest, {**dests, **lossy.dests()})
     values.update({i: lossy.decoded(i) for i in indices if i in lossy.buffers})
     return {i: finish_ndarray(v, tensors[i].dtype) if tensors[i].kind == "numpy" else v for i, v in values.items()}
+
+
+def _run_in(manifest: Manifest, index: int, item: ReadItem, planner: LoadPlanner) -> tuple[Dest, torch.Tensor] | None:
+    """``(("range", index, start, length), target)`` if ``item``'s box is one run of record ``index``'s bytes
+    (every dimension after the first whole) and its target a plain host tensor of the record's dtype, else None."""
+    record = manifest.tensors[index]
+    if record.is_lossy or record.kind != "torch" or not record.shape:
+        return None
+    offsets, lengths, shape = list(item.storage_offsets), list(item.lengths), list(record.shape)
+    if len(offsets) != len(shape) or any(o or n != s for o, n, s in zip(offsets[1:], lengths[1:], shape[1:], strict=True)):
+        return None
+    target = planner.resolve_tensor(item).detach()
+    if not plain_cpu(target) or torch_dtype_name(target.dtype) != record.dtype or list(target.shape) != lengths:
+        return None
+    row = math.prod(shape[1:]) * target.element_size()
+    return ("range", index, offsets[0] * row, lengths[0] * row), target
 
 
 def _copy_into(planner: LoadPlanner, item: ReadItem, shard: torch.Tensor) -> None:
