@@ -225,6 +225,25 @@ def test_lossy_rules_apply_to_shards_with_measured_errors_and_load_at_another_wo
     assert_same_state({"model": whole["model"], "optim": whole["optim"]}, torch.load(tmp_path / "lossy_loaded_w3.pt"))
 
 
+def test_the_ranks_agree_on_how_each_lossy_array_is_stored(tmp_path: Path) -> None:
+    """(DESIGN D3) int8 is unsafe for rank 0's shard of ``x`` only: rather than an array stored half lossy, every
+    shard of it is stored exactly, saying why; ``y``, safe on both ranks, stays int8 on both."""
+    url = str(tmp_path / "vault")
+    dcp_worker.spawn(dist_manager.lossy_split, 2, (url, str(tmp_path)), tmp_path)
+    with ckptvault.CheckpointManager(url) as mgr:
+        body = mgr.manifest(1)
+        whole = mgr.restore(1)
+    x = [t for t in body["tensors"] if t["path"] == "x"]
+    y = [t for t in body["tensors"] if t["path"] == "y"]
+    assert len(x) == 2 and all(t["lossy"]["codec"] == "lossless" and t["lossy"]["requested"] == "int8-block:64"
+                               for t in x)
+    assert all("stored exactly on every rank: the ranks' shards came out as" in t["lossy"]["notes"][0] for t in x)
+    assert [t["lossy"]["codec"] for t in y] == ["int8-block", "int8-block"]
+    expected = torch.full((8, 64), 1e-3)
+    expected[:4, 0] = 1e3
+    assert torch.equal(whole["x"], expected)
+
+
 # -- per-rank bookkeeping, in this process -------------------------------------------------------------------------
 
 def test_per_rank_units_are_found_by_pattern_by_difference_and_by_absence() -> None:

@@ -280,3 +280,20 @@ def lossy_load(rank: int, world: int, store: str, url: str, out: str) -> None:
         torch.save(loaded, Path(out) / f"lossy_loaded_w{world}.pt")
     dist.barrier()
     dist.destroy_process_group()
+
+
+def lossy_split(rank: int, world: int, store: str, url: str, out: str) -> None:
+    """An array whose rank-0 shard int8 would flush (one large value per block of tiny ones) and whose rank-1 shard
+    it would not: the ranks agree to store both shards exactly."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    mesh = _init(rank, world, store)
+    local = torch.full((4, 64), 1e-3)
+    if rank == 0:
+        local[:, 0] = 1e3
+    x = DTensor.from_local(local, mesh, [Shard(0)], run_check=False)
+    y = DTensor.from_local(torch.linspace(-1, 1, 256).reshape(4, 64) + rank, mesh, [Shard(0)], run_check=False)
+    with ckptvault.CheckpointManager(url, async_save=False, codec_rules={"x": "int8-block:64", "y": "int8-block:64"}) as mgr:
+        mgr.save(1, {"x": x, "y": y})
+    dist.barrier()
+    dist.destroy_process_group()

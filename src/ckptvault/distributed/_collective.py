@@ -249,6 +249,7 @@ class Collective:
         writer._lent, writer._staging, writer._manifests = self.vault, self._staging, self._manifests
         writer.progress, writer.keyframe_cache = request.progress, self._keyframe_cache
         writer.lossy_safety, writer.lossy_buffers = s.lossy_safety, self._lossy_buffers
+        writer.agree_group = self.saves  # the ranks agree on each lossy array's stored form, inside DCP's save
         return writer
 
     def _complete(self, handle: SaveHandle, writer: VaultWriter, state: dict[str, Any], step: int) -> None:

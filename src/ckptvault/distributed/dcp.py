@@ -35,6 +35,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import (
@@ -63,12 +64,12 @@ from .._arrays import (
     writable_bytes,
 )
 from .._codecs import DEFAULT_CODEC, validate_codec_name
-from .._codecs.lossy import LossySafety
+from .._codecs.lossy import LossySafety, parse_codec
 from .._delta.policy import DeltaContext, DeltaPolicy, KeyframeCache, delta_context
 from .._format import records
 from .._format.keys import step_of_manifest_key
 from .._format.manifest import manifest_key
-from .._format.records import ChunkRef, Manifest, Node, TensorRecord
+from .._format.records import ChunkRef, LossyInfo, Manifest, Node, TensorRecord
 from .._format.schema import check_manifest
 from .._restore.tensors import Dest, LossyReads, read_into
 from .._save.chunks import write_chunks
@@ -227,6 +228,9 @@ class VaultWriter(_OnVault, StorageWriter, AsyncStager):
         self.keyframe_cache: KeyframeCache | None = None
         #: where lossy encodings go; a manager's, reused across its saves (None: fresh memory each save)
         self.lossy_buffers: LossyBuffers | None = None
+        #: the save's process group, for the ranks to agree on each lossy array's stored form (a manager's; None:
+        #: each shard's safety is decided on its own)
+        self.agree_group: Any = None
 
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         """DCP's AsyncStager: a copy of ``state_dict`` whose tensors (a DTensor's local shard) are in host buffers
@@ -275,6 +279,21 @@ class VaultWriter(_OnVault, StorageWriter, AsyncStager):
         return future
 
     def _write(self, plan: SavePlan, planner: SavePlanner, shared: _VaultPlan) -> list[WriteResult]:
+        encoded: _Encoded | None = None
+        error: BaseException | None = None
+        try:
+            encoded = self._encode(plan, planner, shared)
+        except Exception as exc:  # noqa: BLE001 - raised below, after the ranks agreed (if they do)
+            error = exc
+        if self.agree_group is not None:
+            encoded = self._agreed(encoded, error, shared)
+        elif error is not None:
+            raise error
+        assert encoded is not None
+        return self._store(plan, encoded)
+
+    def _encode(self, plan: SavePlan, planner: SavePlanner, shared: _VaultPlan) -> _Encoded:
+        """This rank's items as records (lossy ones encoded and measured), and the delta context of the save."""
         vault = self._open()
         if vault.require().chunk_size != shared.chunk_size:
             raise SaveError(f"the vault at {vault.url} has chunk size {vault.require().chunk_size}, the coordinator's "
@@ -294,9 +313,47 @@ class VaultWriter(_OnVault, StorageWriter, AsyncStager):
         rules = CodecRules(self.codec_rules, shared.codec)
         arrays = [_array_record(leaf, rules, offsets.get(i)) for i, leaf in enumerate(leaves)]
         views = [tensor_bytes(leaf.value) if leaf.kind == "torch" else ndarray_bytes(leaf.value) for leaf in leaves]
-        snapshot = Snapshot({"none": None}, arrays, views, self.allow_pickle)
+        exact = Snapshot({"none": None}, arrays, views, self.allow_pickle)
         delta = self._rank_delta(vault, shared)
-        snapshot = apply_lossy(snapshot, self.lossy_safety, shared.codec, vault, delta.keyframe, self.lossy_buffers)
+        snapshot = apply_lossy(exact, self.lossy_safety, shared.codec, vault, delta.keyframe, self.lossy_buffers)
+        return nodes, exact, snapshot, delta
+
+    def _agreed(self, encoded: _Encoded | None, error: BaseException | None, shared: _VaultPlan) -> _Encoded:
+        """With ``agree_group``: every rank's stored form of each lossy-ruled array gathered, and an array whose
+        shards came out differently (a fallback on some rank) re-encoded exactly on every rank, its records saying
+        why; an encoding error on any rank raised on every rank (no rank is left in the gather)."""
+        forms = None if encoded is None else _lossy_forms(encoded[2])
+        text = None if error is None else f"{type(error).__name__}: {error}"
+        gathered: list[Any] = [None] * dist.get_world_size(self.agree_group)
+        dist.all_gather_object(gathered, (text, forms), group=self.agree_group)
+        if error is not None:
+            raise error
+        failed = {rank: why for rank, (why, _forms) in enumerate(gathered) if why}
+        if failed:
+            raise SaveError(f"ranks {sorted(failed)} failed encoding their shards ({next(iter(failed.values()))})")
+        assert encoded is not None
+        seen: dict[str, set[str]] = defaultdict(set)
+        for _why, rank_forms in gathered:
+            for path, form in rank_forms.items():
+                seen[path].add(form)
+        split = {path: forms for path, forms in seen.items() if len(forms) > 1}
+        if not split:
+            return encoded
+        nodes, exact, _snapshot, delta = encoded
+        arrays = [replace(r, codec=parse_codec(r.codec, shared.codec)[1]) if r.path in split else r for r in exact.records]
+        snapshot = apply_lossy(replace(exact, records=arrays), self.lossy_safety, shared.codec, self._open(),
+                               delta.keyframe, self.lossy_buffers)
+        requested = {r.path: r.codec for r in exact.records if r.path in split}
+        note = "stored exactly on every rank: the ranks' shards came out as {}"
+        records = [replace(r, lossy=LossyInfo(codec="lossless", requested=requested[r.path],
+                                              notes=(note.format(sorted(split[r.path])),)))
+                   if r.kind == "torch" and r.path in split else r for r in snapshot.records]
+        return nodes, exact, replace(snapshot, records=records), delta
+
+    def _store(self, plan: SavePlan, encoded: _Encoded) -> list[WriteResult]:
+        """Write this rank's chunks (durable on return) and place each item's records and chunks."""
+        nodes, _exact, snapshot, delta = encoded
+        vault = self._open()
         chunks, pieces = write_chunks(vault, snapshot, self.progress, delta)
         table = tuple(ChunkRef(c.id, c.raw, c.stored, c.new, c.base) for c in chunks)
         out = []
@@ -438,6 +495,15 @@ def _placement(item: WriteItem, node: Node, arrays: list[ArrayRecord], pieces: l
         out.append(TensorRecord(path=array.path, kind=array.kind, dtype=array.dtype, shape=tuple(array.shape),
                                 nbytes=array.nbytes, codec=array.codec, pieces=mine, lossy=lossy, **box))
     return Placement(renumber(node, {leaf: i for i, leaf in enumerate(leaves)}), tuple(out), tuple(used))
+
+
+#: an item list's tree nodes, its records before and after the lossy step, and the save's delta context
+_Encoded = tuple[list[Node], Snapshot, Snapshot, DeltaContext]
+
+
+def _lossy_forms(snapshot: Snapshot) -> dict[str, str]:
+    """{key path: how it is stored} of each record a lossy rule asked for (its lossy codec, or ``lossless``)."""
+    return {r.path: r.lossy.codec for r in snapshot.records if r.kind == "torch" and r.lossy is not None}
 
 
 def _parts(array: ArrayRecord) -> list[int]:
