@@ -117,6 +117,7 @@ class Collective:
         self._inflight: SaveHandle | None = None
         self._task: Future[None] | None = None
         self._error: BaseException | None = None
+        self._error_handle: SaveHandle | None = None  # the failed save's: once its wait() raised, nothing else does
         self._lock = threading.Lock()
 
     # -- agreement ---------------------------------------------------------
@@ -270,7 +271,7 @@ class Collective:
                 self._keyframe_cache.abort()
             log.error("%s", caught)
             with self._lock:
-                self._error = caught
+                self._error, self._error_handle = caught, handle
             handle.committed.set_exception(caught)
             return
         handle.committed.set_result(info_from_manifest(manifest))
@@ -281,7 +282,7 @@ class Collective:
             except BaseException as exc:  # noqa: BLE001 - kept for the next save, wait or close
                 log.error("the retention after step %d failed: %s", step, exc)
                 with self._lock:
-                    self._error = exc
+                    self._error, self._error_handle = exc, None
 
     def _keep_keyframe(self, step: int) -> None:
         """Keep committed keyframe ``step``'s chunks in the cache (the bytes noted are this save's staging buffers, or
@@ -294,9 +295,9 @@ class Collective:
             log.warning("could not keep keyframe %d in the keyframe cache (%s); its deltas will read it back", step, exc)
 
     def raise_pending(self) -> None:
+        """Raise (once) the error of a save nobody has been told about (``handle.wait()`` tells)."""
         with self._lock:
-            error, self._error = self._error, None
-        handle = self._inflight
+            error, handle, self._error, self._error_handle = self._error, self._error_handle, None, None
         if error is not None and not (handle is not None and handle.reported):
             raise error
 
