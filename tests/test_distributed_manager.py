@@ -156,6 +156,20 @@ def test_a_rank_killed_while_writing_commits_nothing_and_the_survivors_name_it(t
     assert manifest_files(url) == []
 
 
+def test_a_rank_that_hangs_while_writing_fails_the_others_at_the_timeout(tmp_path: Path) -> None:
+    """(DESIGN D2) Rank 1 stops inside its chunk writes but stays alive: rank 0's collective gives up at the 4 s
+    timeout and it raises RankFailedError saying no rank stopped beating, well before rank 1 wakes up."""
+    url = str(tmp_path / "vault")
+    codes = dist_manager.spawn_independent(dist_manager.fail_during_write, 2, (url, str(tmp_path), "hang", 4.0),
+                                           tmp_path, timeout=60)
+    assert codes == [0, 3]
+    report = _json(tmp_path / "fail_hang_rank0.json")
+    assert report["error"] == "RankFailedError" and report["failures"] == {} and report["steps"] == []
+    assert "every rank still beats" in report["text"] and "the timeout (4 s)" in report["text"]
+    assert 4 <= report["seconds"] < 11
+    assert manifest_files(url) == []
+
+
 def test_a_vault_path_that_differs_between_ranks_is_refused_before_anything_is_written(tmp_path: Path) -> None:
     """(DESIGN D5) Each rank names a directory of its own: UnsharedVaultError on both, and no file anywhere."""
     base = tmp_path / "nodes"

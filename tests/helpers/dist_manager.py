@@ -118,8 +118,8 @@ def resume(rank: int, world: int, store: str, url: str, out: str, train: int) ->
 
 
 def fail_during_write(rank: int, world: int, store: str, url: str, out: str, how: str, timeout: float) -> None:
-    """Save step 5, in which rank 1 fails while writing its chunks: ``how="raise"`` (its store raises) or
-    ``"kill"`` (SIGKILL of its own process). The survivors report the error they got and how long it took."""
+    """Save step 5, in which rank 1 fails while writing its chunks: ``how="raise"`` (its store raises),
+    ``"kill"`` (SIGKILL of its own process) or ``"hang"`` (it sleeps past the timeout, then exits). The survivors report the error they got and how long it took."""
     import time
 
     mesh = _init(rank, world, store)
@@ -148,6 +148,11 @@ def _fail_chunk_writes(mgr: ckptvault.CheckpointManager, how: str) -> None:
     def failing_batch() -> Any:
         if how == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
+        if how == "hang":  # alive (its heartbeat goes on) but stuck far past the others' timeout
+            import time
+
+            time.sleep(12)
+            os._exit(3)
         raise StorageFullError("No space left on device (injected on rank 1)")
 
     mgr.vault.store.write_batch = failing_batch  # type: ignore[method-assign]
