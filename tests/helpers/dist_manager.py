@@ -119,7 +119,8 @@ def resume(rank: int, world: int, store: str, url: str, out: str, train: int) ->
 
 def fail_during_write(rank: int, world: int, store: str, url: str, out: str, how: str, timeout: float) -> None:
     """Save step 5, in which rank 1 fails while writing its chunks: ``how="raise"`` (its store raises),
-    ``"kill"`` (SIGKILL of its own process) or ``"hang"`` (it sleeps past the timeout, then exits). The survivors report the error they got and how long it took."""
+    ``"kill"`` (SIGKILL of its own process) or ``"hang"`` (it sleeps past the timeout, then exits). The survivors
+    report the error they got and how long it took."""
     import time
 
     mesh = _init(rank, world, store)
