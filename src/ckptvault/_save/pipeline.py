@@ -25,7 +25,6 @@ import threading
 import warnings
 import weakref
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +39,7 @@ from ..options import AsyncOptions
 from ..rules import CodecRules
 from .chunks import write_chunks
 from .commit import build_manifest, commit
+from .inflight import InFlight
 from .lossy import LossyBuffers, apply_lossy
 from .snapshot import Snapshot, take_snapshot
 from .staging import StagingBuffer
@@ -59,7 +59,7 @@ class SaveRequest:
     lossless: str = "zstd"  # the lossless codec that "lossless" and bare lossy rules use
 
 
-class Saver:
+class Saver(InFlight):
     """Runs saves into one vault, in the background when ``async_save``."""
 
     def __init__(self, vault: Vault, delta_policy: DeltaPolicy, *, async_save: bool = True,
@@ -67,6 +67,7 @@ class Saver:
                  safety: LossySafety | None = None, cache_keyframe: bool | None = None) -> None:
         check_kind("async_save", async_save, bool)
         check_kind("cache_keyframe", cache_keyframe, bool, type(None))
+        super().__init__("ckptvault-save")
         async_options = async_options or AsyncOptions()
         self.vault, self.delta_policy = vault, delta_policy
         self.async_save, self.on_busy = async_save, async_options.on_busy
@@ -80,18 +81,7 @@ class Saver:
         wanted = async_save if cache_keyframe is None else cache_keyframe
         deltas = delta_policy.enabled and delta_policy.every > 1  # every=1: every checkpoint is a keyframe
         self._keyframe_cache = KeyframeCache() if wanted and deltas else None
-        self._executor: ThreadPoolExecutor | None = None
-        self._inflight: SaveHandle | None = None
-        self._task: Future[None] | None = None
-        self._error: BaseException | None = None
-        self._error_handle: SaveHandle | None = None  # the failed save's handle: its wait() reports the error
-        self._lock = threading.Lock()
         _LIVE.add(self)
-
-    @property
-    def inflight_step(self) -> int | None:
-        handle = self._inflight
-        return handle.step if handle is not None and not handle.done() else None
 
     def submit(self, request: SaveRequest, state: Any, rules: CodecRules, allow_pickle: bool) -> SaveHandle:
         """Stage ``state`` and start (or, when synchronous, run) its save."""
@@ -100,7 +90,7 @@ class Saver:
             warnings.warn(f"skipping the save of step {request.step}: step {self.inflight_step} is still being saved",
                           RuntimeWarning, stacklevel=3)
             return SaveHandle.skipped_save(request.step)
-        self._wait_inflight()
+        self.wait_inflight()
         self.raise_pending()
         staging = self._staging if self.async_save else None
         snapshot = take_snapshot(state, rules, allow_pickle, staging, self.max_staging_bytes)
@@ -110,8 +100,7 @@ class Saver:
         handle = SaveHandle(request.step)
         handle.staged.set_result(None)
         if snapshot.staged:
-            self._inflight = handle
-            self._task = self._pool().submit(self._complete, handle, request, snapshot)
+            self.start(handle, self._complete, handle, request, snapshot)
         else:
             self._complete(handle, request, snapshot)
             self.raise_pending()
@@ -139,8 +128,7 @@ class Saver:
             what = f"the save of step {request.step} failed, nothing committed"
             exc = _typed(caught, what)
             log.error("%s", exc if exc is not caught else f"{what}: {caught}")  # a wrapped one says it already
-            with self._lock:
-                self._error, self._error_handle = exc, handle
+            self.keep_error(exc, handle)
             handle.committed.set_exception(exc)
             return
         handle.committed.set_result(info_from_manifest(manifest))
@@ -150,8 +138,8 @@ class Saver:
                 self.after_commit(request.step)
             except BaseException as exc:  # noqa: BLE001 - kept for the next save, wait or close
                 log.error("after-commit step (retention) of step %d failed: %s", request.step, exc)
-                with self._lock:
-                    self._error = _typed(exc, f"step {request.step} was committed, but the retention that runs after it failed")
+                self.keep_error(_typed(exc, f"step {request.step} was committed, but the retention that runs after it "
+                                              "failed"), None)
 
     def _commit_keyframe_cache(self, step: int) -> None:
         """Fill the keyframe cache from committed keyframe ``step``'s chunks (if it was filling), on the vault's
@@ -166,39 +154,12 @@ class Saver:
             log.warning("could not keep keyframe %d in the keyframe cache (%s: %s); its deltas will read it back",
                         step, type(exc).__name__, exc)
 
-    def raise_pending(self) -> None:
-        """Raise (once) the error of a background save nobody has been told about."""
-        with self._lock:
-            error, handle, self._error, self._error_handle = self._error, self._error_handle, None, None
-        if error is not None and not (handle is not None and handle.reported):  # wait() already raised it
-            raise error
-
-    def _wait_inflight(self) -> None:
-        """Wait for the whole background task (commit and the after-commit hook)."""
-        task = self._task
-        if task is not None:
-            task.result()  # _complete never raises; its errors are kept in self._error
-            self._task = None
-        self._inflight = None
-
-    def wait(self) -> None:
-        """Wait for the save in flight; raise its error (or an earlier unreported one)."""
-        self._wait_inflight()
-        self.raise_pending()
-
-    def _pool(self) -> ThreadPoolExecutor:
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(1, thread_name_prefix="ckptvault-save")
-        return self._executor
-
     def close(self) -> None:
         """Flush: wait for the save in flight, stop the background thread, raise any unreported error."""
         try:
             self.wait()
         finally:
-            if self._executor is not None:
-                self._executor.shutdown(wait=True)
-                self._executor = None
+            self.stop_thread()
             _LIVE.discard(self)
 
 

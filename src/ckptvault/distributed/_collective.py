@@ -26,10 +26,8 @@ from __future__ import annotations
 import logging
 import secrets
 import socket
-import threading
 import warnings
 from collections.abc import Callable, Iterable, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, TypeVar
@@ -42,6 +40,7 @@ from .._delta.policy import KeyframeCache
 from .._feedback import reissue_deferred
 from .._format.records import Manifest
 from .._restore.tensors import restore_tree
+from .._save.inflight import InFlight
 from .._save.lossy import LossyBuffers
 from .._save.pipeline import SaveRequest
 from .._vault import Vault
@@ -92,11 +91,12 @@ class SaveSettings:
     lossy_safety: LossySafety
 
 
-class Collective:
+class Collective(InFlight):
     """The collective part of one CheckpointManager; see the module docstring for the order of calls."""
 
     def __init__(self, vault: Vault, options: DistributedOptions, settings: SaveSettings,
                  after_commit: Callable[[int], None] | None) -> None:
+        super().__init__("ckptvault-dsave")
         self.vault, self.options, self.settings, self.after_commit = vault, options, settings, after_commit
         self.codec_rules = checked_rules(settings.codec_rules, settings.codec)
         join(dist.get_rank(), dist.get_world_size(), options.timeout)  # a manager on one rank only: an error, no hang
@@ -113,12 +113,6 @@ class Collective:
         deltas = settings.incremental and settings.delta.keyframe_every > 1
         self._keyframe_cache = KeyframeCache() if keep and deltas else None
         self._manifests: dict[Any, Manifest] = {}  # the writers' manifests read for deltas, kept across saves
-        self._executor: ThreadPoolExecutor | None = None
-        self._inflight: SaveHandle | None = None
-        self._task: Future[None] | None = None
-        self._error: BaseException | None = None
-        self._error_handle: SaveHandle | None = None  # the failed save's: once its wait() raised, nothing else does
-        self._lock = threading.Lock()
 
     # -- agreement ---------------------------------------------------------
     def on_coordinator(self, fn: Callable[[], T]) -> T:
@@ -207,11 +201,6 @@ class Collective:
         self._shared_checked = True
 
     # -- saving ------------------------------------------------------------
-    @property
-    def inflight_step(self) -> int | None:
-        handle = self._inflight
-        return handle.step if handle is not None and not handle.done() else None
-
     def save(self, request: SaveRequest, state: Any, allow_pickle: bool) -> SaveHandle:
         """Start (or, when synchronous, run) the collective save of ``state``; every rank calls it."""
         self.raise_pending()
@@ -233,8 +222,7 @@ class Collective:
         if self.settings.async_save:
             staged = self.everywhere(what, lambda: writer.stage(wrapped))  # a rank out of memory: all stop here
             handle.staged.set_result(None)
-            self._inflight = handle
-            self._task = self._pool().submit(self._complete, handle, writer, staged, request.step)
+            self.start(handle, self._complete, handle, writer, staged, request.step)
         else:
             handle.staged.set_result(None)
             self._complete(handle, writer, wrapped, request.step)
@@ -270,8 +258,7 @@ class Collective:
             if self._keyframe_cache is not None:
                 self._keyframe_cache.abort()
             log.error("%s", caught)
-            with self._lock:
-                self._error, self._error_handle = caught, handle
+            self.keep_error(caught, handle)
             handle.committed.set_exception(caught)
             return
         handle.committed.set_result(info_from_manifest(manifest))
@@ -281,8 +268,7 @@ class Collective:
                 self.after_commit(step)
             except BaseException as exc:  # noqa: BLE001 - kept for the next save, wait or close
                 log.error("the retention after step %d failed: %s", step, exc)
-                with self._lock:
-                    self._error, self._error_handle = exc, None
+                self.keep_error(exc, None)
 
     def _keep_keyframe(self, step: int) -> None:
         """Keep committed keyframe ``step``'s chunks in the cache (the bytes noted are this save's staging buffers, or
@@ -294,37 +280,12 @@ class Collective:
         except Exception as exc:  # noqa: BLE001 - the save is committed; deltas read the keyframe from the store
             log.warning("could not keep keyframe %d in the keyframe cache (%s); its deltas will read it back", step, exc)
 
-    def raise_pending(self) -> None:
-        """Raise (once) the error of a save nobody has been told about (``handle.wait()`` tells)."""
-        with self._lock:
-            error, handle, self._error, self._error_handle = self._error, self._error_handle, None, None
-        if error is not None and not (handle is not None and handle.reported):
-            raise error
-
-    def wait_inflight(self) -> None:
-        task = self._task
-        if task is not None:
-            task.result()
-            self._task = None
-        self._inflight = None
-
-    def wait(self) -> None:
-        self.wait_inflight()
-        self.raise_pending()
-
-    def _pool(self) -> ThreadPoolExecutor:
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(1, thread_name_prefix="ckptvault-dsave")
-        return self._executor
-
     def close(self) -> None:
         """Wait for the save in flight, then release the threads and the groups (raises a failed save's error)."""
         try:
             self.wait()
         finally:
-            if self._executor is not None:
-                self._executor.shutdown(wait=True)
-                self._executor = None
+            self.stop_thread()
             self.board.stop()
             for group in (self.saves, self.control):
                 try:
