@@ -49,7 +49,7 @@ def _state(vault: Path, step: int) -> dict[str, object]:
     return state
 
 
-def test_a_stopped_run_resumed_with_torchrun_matches_an_uninterrupted_one(script: Path) -> None:
+def test_a_stopped_run_resumed_with_torchrun_matches_an_uninterrupted_one_and_reshards(script: Path) -> None:
     whole, resumed = script.parent / "whole", script.parent / "resumed"
     _torchrun(script, whole, 20, 2)
     _torchrun(script, resumed, 10, 2)
@@ -66,13 +66,9 @@ def test_a_stopped_run_resumed_with_torchrun_matches_an_uninterrupted_one(script
     rngs = actual["rng"]["torch"]["__per_rank__"]  # type: ignore[index]
     assert not torch.equal(rngs["0"], rngs["1"])
 
-
-def test_the_recipe_resumes_at_another_world_size(script: Path) -> None:
-    vault = script.parent / "reshard"
-    _torchrun(script, vault, 10, 2)
-    _torchrun(script, vault, 15, 1)
-    before, after = _state(vault, 9), _state(vault, 14)
-    assert after["step"] == 14
+    _torchrun(script, resumed, 25, 1)  # the same vault resumed at 1 rank: resharded, rank 0's RNG state
+    before, after = _state(resumed, 19), _state(resumed, 24)
+    assert after["step"] == 24
     model_before, model_after = before["model"], after["model"]  # type: ignore[index]
     assert {k: v.shape for k, v in model_before.items()} == {k: v.shape for k, v in model_after.items()}
     assert any(not torch.equal(model_before[k], model_after[k]) for k in model_before)

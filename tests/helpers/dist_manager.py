@@ -83,6 +83,21 @@ def train_and_save(rank: int, world: int, store: str, url: str, out: str, async_
     dist.destroy_process_group()
 
 
+def save_once(rank: int, world: int, store: str, url: str, out: str) -> None:
+    """Train 1 step, save it as step 3 (rank 0 writes the full state as ``expected_3.pt``)."""
+    mesh = _init(rank, world, store)
+    net, opt = _sharded(0, mesh)
+    torch.manual_seed(100 + rank)
+    _train(net, opt, 1)
+    with _manager(url, False, per_rank=("loader",)) as mgr:
+        mgr.save(3, _state(net, opt, 3, loader=10 * rank + 1))
+        expected = _full(net, opt)
+    if rank == 0:
+        torch.save(expected, Path(out) / "expected_3.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def resume(rank: int, world: int, store: str, url: str, out: str, train: int) -> None:
     """A fresh model and optimizer restored from step 3 at this world size: rank 0 writes the restored full state
     (``restored_w<world>.pt``) and, after ``train`` more steps, ``resumed_w<world>.pt``; every rank reports its
@@ -152,7 +167,7 @@ def _fail_chunk_writes(mgr: ckptvault.CheckpointManager, how: str) -> None:
         if how == "hang":  # alive (its heartbeat goes on) but stuck far past the others' timeout
             import time
 
-            time.sleep(12)
+            time.sleep(8)
             os._exit(3)
         raise StorageFullError("No space left on device (injected on rank 1)")
 

@@ -1,6 +1,7 @@
 """Multi-rank checkpoints: torch.distributed.checkpoint (DCP) saving into and loading from a vault.
 
-::
+In a job, ``ckptvault.CheckpointManager`` is collective and uses these itself (README, "Distributed training";
+``DistributedOptions``). A script that already calls DCP changes one argument::
 
     import torch.distributed.checkpoint as dcp
     from ckptvault.distributed import VaultReader, VaultWriter
