@@ -21,7 +21,7 @@ import blake3
 import numpy as np
 from torch.distributed.tensor import DTensor
 
-from .._arrays import host_contiguous, tensor_bytes
+from .._arrays import host_contiguous, ndarray_bytes, tensor_bytes
 from .._format.records import Node
 from .._tree import flatten
 from ..errors import InvalidArgumentError, KeyMismatchError
@@ -54,21 +54,23 @@ def units(state: Any, patterns: tuple[str, ...], path: Path = ()) -> Iterator[tu
 
 def digest(value: Any) -> str:
     """A digest of a value's content (its JSON skeleton and the bytes of every array in it): equal values, on any
-    rank, digest equally. Nothing is stored; objects that need pickle are digested through ``repr``."""
+    rank, digest equally. Nothing is stored; objects that need pickle are digested through ``repr``. Arrays are
+    hashed in place (the caller's thread waits for this: no copy of their bytes)."""
     tree, leaves = flatten(value, allow_pickle=True)
     hasher = blake3.blake3(json.dumps(tree, sort_keys=True).encode())
     for leaf in leaves:
-        hasher.update(_leaf_bytes(leaf.kind, leaf.value))
+        for part in _leaf_parts(leaf.kind, leaf.value):
+            hasher.update(part)
     return hasher.hexdigest()
 
 
-def _leaf_bytes(kind: str, value: Any) -> bytes | memoryview:
+def _leaf_parts(kind: str, value: Any) -> tuple[bytes | memoryview, ...]:
     if kind == "torch":
         tensor = host_contiguous(value.detach())
-        return f"{tensor.dtype}{list(tensor.shape)}".encode() + bytes(tensor_bytes(tensor))
+        return f"{tensor.dtype}{list(tensor.shape)}".encode(), tensor_bytes(tensor)
     if kind == "numpy" and isinstance(value, np.ndarray):
-        return f"{value.dtype.str}{list(value.shape)}".encode() + np.ascontiguousarray(value).tobytes()
-    return repr(value).encode()
+        return f"{value.dtype.str}{list(value.shape)}".encode(), ndarray_bytes(value)
+    return (repr(value).encode(),)
 
 
 def per_rank_paths(gathered: list[dict[Path, tuple[str, bool]]]) -> set[Path]:
