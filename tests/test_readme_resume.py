@@ -73,6 +73,22 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[
     return tmp_path / "vault", expected
 
 
+def _resumes_identically(script: Path, vault: Path, stopped: int, full_vault: Path,
+                         expected: dict[int, str]) -> dict[str, Any]:
+    """Run the recipe again on ``vault`` (last committed: ``stopped``): it resumes there, its losses after the
+    resume are the uninterrupted run's, and its final state is that run's bit for bit. Returns the final state."""
+    second = _run(script, vault)
+    assert second[0] == f"resumed from step {stopped}"
+    resumed = _losses(second)
+    assert sorted(resumed) == list(range(stopped + 1, STEPS + 1))
+    assert resumed == {s: expected[s] for s in resumed}, "the losses after the resume differ"
+    want, got = _final(full_vault), _final(vault)
+    for key in ("model", "optimizer", "scheduler", "step"):
+        assert_same_state(want[key], got[key])
+    assert got["optimizer"]["state"][0]["step"].item() == STEPS
+    return got
+
+
 def test_the_readme_recipe_resumes_bit_identically_after_sigkill(tmp_path: Path,
                                                                  uninterrupted: tuple[Path, dict[int, str]]) -> None:
     script = tmp_path / "train.py"
@@ -97,16 +113,7 @@ def test_the_readme_recipe_resumes_bit_identically_after_sigkill(tmp_path: Path,
         committed = mgr.latest_step()
     assert committed is not None and KILL_AFTER <= committed < STEPS
 
-    second = _run(script, vault)
-    assert second[0] == f"resumed from step {committed}"
-    resumed = _losses(second)
-    assert sorted(resumed) == list(range(committed + 1, STEPS + 1))
-    assert resumed == {s: expected[s] for s in resumed}, "the losses after the resume differ"
-
-    want, got = _final(full_vault), _final(vault)
-    for key in ("model", "optimizer", "scheduler", "step"):
-        assert_same_state(want[key], got[key])
-    assert got["optimizer"]["state"][0]["step"].item() == STEPS
+    got = _resumes_identically(script, vault, committed, full_vault, expected)
     assert got["scheduler"]["last_epoch"] == STEPS
 
 
@@ -140,15 +147,7 @@ def test_the_readme_recipe_saves_the_step_it_is_at_on_sigterm_and_resumes_bit_id
     with ckptvault.CheckpointManager(vault) as mgr:
         assert mgr.latest_step() == stopped  # ... and committed before the exit
 
-    second = _run(script, vault)
-    assert second[0] == f"resumed from step {stopped}"
-    resumed = _losses(second)
-    assert sorted(resumed) == list(range(stopped + 1, STEPS + 1))
-    assert resumed == {s: expected[s] for s in resumed}, "the losses after the resume differ"
-    want, got = _final(full_vault), _final(vault)
-    for key in ("model", "optimizer", "scheduler", "step"):
-        assert_same_state(want[key], got[key])
-    assert got["optimizer"]["state"][0]["step"].item() == STEPS
+    _resumes_identically(script, vault, stopped, full_vault, expected)
 
 
 def test_the_comparison_notices_a_resume_without_the_rng_state(tmp_path: Path,
