@@ -51,10 +51,10 @@ import torch.distributed as dist  # noqa: E402
 
 import peers  # noqa: E402
 from ckptvault import CheckpointManager  # noqa: E402
-from ckptvault.demo.data import batch, stdlib_bytes  # noqa: E402
+from ckptvault.demo.data import stdlib_bytes  # noqa: E402
 from ckptvault.demo.model import GPT  # noqa: E402
 from common import fresh_dir, machine  # noqa: E402
-from workloads import OUT_DIR, SIZES, W1_LR, state_nbytes, tensor_leaves, w1_state, zeroed_copy  # noqa: E402
+from workloads import OUT_DIR, SIZES, W1_LR, state_nbytes, tensor_leaves, train_step, w1_state, zeroed_copy  # noqa: E402
 
 WORK = OUT_DIR / "async"
 #: storage_options of the variants that keep their chunks in the page cache (drop-behind off)
@@ -78,10 +78,7 @@ class Trainer:
         self.batch_size, self.seq_len = batch_size, seq_len
 
     def step(self) -> None:
-        x, y = batch(self.data, self.batch_size, self.seq_len, self.gen)
-        self.opt.zero_grad(set_to_none=True)
-        self.model.loss(x, y).backward()
-        self.opt.step()
+        train_step(self.model, self.opt, self.data, self.batch_size, self.seq_len, self.gen)
         self.n += 1
 
     def state(self) -> dict[str, Any]:

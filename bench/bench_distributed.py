@@ -63,11 +63,11 @@ from torch.distributed.tensor import DTensor  # noqa: E402
 
 import ckptvault  # noqa: E402
 from ckptvault import CheckpointManager  # noqa: E402
-from ckptvault.demo.data import batch, stdlib_bytes  # noqa: E402
+from ckptvault.demo.data import stdlib_bytes  # noqa: E402
 from ckptvault.demo.model import GPT  # noqa: E402
 from ckptvault.distributed import VaultReader, VaultWriter  # noqa: E402
 from common import machine  # noqa: E402
-from workloads import OUT_DIR, SIZES, W1_LR  # noqa: E402
+from workloads import OUT_DIR, SIZES, W1_LR, train_step  # noqa: E402
 
 WORK = OUT_DIR / "distributed"
 #: (row of ours, row of the peer, target ratio): what the page checks
@@ -105,10 +105,7 @@ class Trainer:
         self.n = 0
 
     def step(self) -> None:
-        x, y = batch(self.data, self.batch_size, self.seq_len, self.gen)
-        self.opt.zero_grad(set_to_none=True)
-        self.model.loss(x, y).backward()
-        self.opt.step()
+        train_step(self.model, self.opt, self.data, self.batch_size, self.seq_len, self.gen)
         self.n += 1
 
     def state(self) -> dict[str, Any]:

@@ -49,12 +49,18 @@ def train_state(cfg: GPTConfig, steps: int = W1_STEPS, batch_size: int = W1_BATC
     gen = torch.Generator().manual_seed(seed)
     start = time.perf_counter()
     for _ in range(steps):
-        x, y = batch(data, batch_size, cfg.seq_len, gen)
-        opt.zero_grad(set_to_none=True)
-        model.loss(x, y).backward()
-        opt.step()
+        train_step(model, opt, data, batch_size, cfg.seq_len, gen)
     log.info("trained %d params for %d steps in %.1f s", num_params(model), steps, time.perf_counter() - start)
     return {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": steps}
+
+
+def train_step(model: GPT, opt: torch.optim.Optimizer, data: torch.Tensor, batch_size: int, seq_len: int,
+               gen: torch.Generator) -> None:
+    """One AdamW step of the GPT on a batch of ``data`` drawn with ``gen``."""
+    x, y = batch(data, batch_size, seq_len, gen)
+    opt.zero_grad(set_to_none=True)
+    model.loss(x, y).backward()
+    opt.step()
 
 
 def w1_state(size: str = "full", steps: int = W1_STEPS, use_cache: bool = True) -> dict[str, Any]:
