@@ -70,8 +70,8 @@ def test_kernels_on_unaligned_memory(typesize: int) -> None:
     assert assemble(list(planes), tail, out).tobytes() == raw
 
 
-def test_a_manager_loads_the_kernels_in_the_background_that_saves_and_restores_use(tmp_path: Path) -> None:
-    """In a fresh interpreter, opening a CheckpointManager loads every split and join kernel on a background
+def test_background_loading_loads_the_kernels_that_saves_and_restores_use(tmp_path: Path) -> None:
+    """In a fresh interpreter, load_kernels_in_background loads every split and join kernel on a background
     thread; a save and a restore of 2-, 4- and 8-byte elements then load nothing more."""
     script = f"""
 import torch
@@ -79,7 +79,7 @@ from ckptvault import CheckpointManager
 from ckptvault._codecs import plane_kernels as k, planes
 
 with CheckpointManager({str(tmp_path / "vault")!r}, async_save=False) as mgr:
-    mgr._loading_kernels.join()
+    planes.load_kernels_in_background().join()
     names = [f"_{{kind}}{{size}}" for kind in ("split", "join") for size in (2, 4, 8)]
     loaded = {{name: len(getattr(k, name).signatures) for name in names}}
     assert all(n == 1 for n in loaded.values()), loaded

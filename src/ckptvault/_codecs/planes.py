@@ -18,7 +18,9 @@ Payload layout (little-endian)::
 
 from __future__ import annotations
 
+import logging
 import struct
+import sys
 import threading
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -29,12 +31,19 @@ from .base import BytesStage, Spec, int_setting, stage_from_spec
 
 _Planes = TypeVar("_Planes", bound="BytePlanes")
 
-_kernels: Any = None  # the plane_kernels module once imported, False where numba is missing
+log = logging.getLogger(__name__)
+
+_kernels: Any = None  # the plane_kernels module once imported and ready, False where numba is missing
+
+#: bytes the numpy loops may split and join in a process before the kernels are loaded, in the background
+LOAD_AFTER = 256 << 20
+_numpy_bytes = 0  # bytes split or joined by the numpy loops so far (approximate: counted without a lock)
 
 
 def _plane_kernels() -> Any:
-    """``plane_kernels``, imported on first use (importing numba is slow), or None without numba:
-    the numpy loops below do the same, several times slower."""
+    """``plane_kernels``, imported now (importing numba is slow), or None without numba: the numpy loops below
+    do the same, several times slower. For callers that want the kernels at once (tests, benchmarks); the
+    split and join paths use :func:`_ready_kernels`, which never waits for numba."""
     global _kernels
     if _kernels is None:
         try:
@@ -46,36 +55,79 @@ def _plane_kernels() -> Any:
     return _kernels or None
 
 
+def _ready_kernels(nbytes: int) -> Any:
+    """``plane_kernels`` if it is loaded, else None (use the numpy loops), counting ``nbytes`` towards
+    :data:`LOAD_AFTER`: a split or join never waits for numba, nor starts loading it (see :func:`load_if_worth_it`)."""
+    global _numpy_bytes
+    kernels = _kernels
+    if kernels is not None:
+        return kernels or None
+    _numpy_bytes += nbytes
+    return None
+
+
+def load_if_worth_it() -> threading.Thread | None:
+    """Start :func:`load_kernels_in_background` if the kernels now pay for their loading; returns its thread, or None.
+
+    The kernels save 0.2 to 0.5 s per GiB saved, and loading them costs about 0.7 s of CPU, most of it
+    holding the GIL, and 100 MB of memory (figures: docs/benchmarks/small.md). So they are loaded once the numpy
+    loops of this process have split or joined :data:`LOAD_AFTER` bytes, or if numba is imported already (a lossy
+    codec loaded it): small states are saved and restored without importing numba. Called between saves and
+    restores (a manager calls it after each commit and each restore), where the loading thread contends with no
+    save for the GIL; splits and joins use the kernels once every one is loaded."""
+    if _kernels is not None or (_numpy_bytes < LOAD_AFTER and "numba" not in sys.modules):
+        return None
+    return load_kernels_in_background()
+
+
 _loading: threading.Thread | None = None  # the thread load_kernels_in_background started
 _loading_lock = threading.Lock()
 
 
 def load_kernels_in_background() -> threading.Thread | None:
     """Import ``plane_kernels`` and load every split and join kernel on a daemon thread; returns the thread,
-    or None where the module is imported already (a save or restore then loads what it uses) or being
-    imported, or numba is missing.
+    or None where that was started before (once per process), the module is imported already, or numba is
+    missing. Splits and joins use the kernels once all are loaded, the numpy loops until then.
 
     The first use of the kernels in a process imports numba and loads their compiled code from numba's
-    cache, which takes a while and mostly holds the GIL, so without this the first save or restore of a
-    process stalls every worker for it. A caller that opens a vault well before its first save (a training
-    script) pays it in the background instead. Safe to call any number of times."""
+    cache, which takes a while and mostly holds the GIL: a caller that will save or restore a large state
+    can start it early, well before its first save. Safe to call any number of times, from any thread."""
     global _loading
     with _loading_lock:
-        if _kernels is not None or (_loading is not None and _loading.is_alive()):
+        if _kernels is not None or _loading is not None:
             return None
         _loading = threading.Thread(target=_load_kernels, name="ckptvault-load-kernels", daemon=True)
         _loading.start()
         return _loading
 
 
+def wait_for_kernel_loading() -> None:
+    """Return once the thread :func:`load_kernels_in_background` started (if any) has finished, so that no
+    thread is left importing numba while the interpreter exits."""
+    thread = _loading
+    if thread is not None and thread is not threading.current_thread():
+        thread.join()
+
+
 def _load_kernels() -> None:
-    kernels = _plane_kernels()
-    if kernels is None:
+    """Import ``plane_kernels`` and call every kernel once (each element size is its own compiled kernel,
+    loaded from numba's cache on its first call); only then publish the module to the split and join paths."""
+    global _kernels
+    try:
+        from . import plane_kernels as kernels
+    except ImportError:
+        _kernels = False
         return
-    for wide in _UINT.values():  # each element size is its own compiled kernel, loaded on its first call
-        words, planes = np.zeros(1, wide), np.zeros((np.dtype(wide).itemsize, 1), np.uint8)
-        kernels.split(words, planes)
-        kernels.join(list(planes), words)
+    try:
+        for wide in _UINT.values():
+            words, planes = np.zeros(1, wide), np.zeros((np.dtype(wide).itemsize, 1), np.uint8)
+            kernels.split(words, planes)
+            kernels.join(list(planes), words)
+    except Exception as exc:  # noqa: BLE001 - a broken numba cache or compiler: the numpy loops stay in use
+        log.warning("could not load the byte-plane kernels (%s: %s); using the numpy loops", type(exc).__name__, exc)
+        _kernels = False
+        return
+    _kernels = kernels
 
 
 _COMPRESSED = 1 << 31
@@ -128,16 +180,29 @@ def split_planes(data: bytes | memoryview, typesize: int, out: np.ndarray | None
         planes[...] = arr[:whole].reshape(-1, typesize).T
         return planes, arr[whole:]
     words = arr[:whole].view(wide)  # plane k is byte k of each little-endian word
-    kernels = _plane_kernels()
+    kernels = _ready_kernels(whole)
     if kernels is not None:
         kernels.split(words, planes)
-        return planes, arr[whole:]
-    planes[0] = words  # numpy: shift, then truncate
-    shifted = scratch(words.nbytes, "split").view(wide)
-    for k in range(1, typesize):
-        np.right_shift(words, 8 * k, out=shifted)
-        planes[k] = shifted
+    else:
+        _split_numpy(words, planes)
     return planes, arr[whole:]
+
+
+#: elements per block of the numpy loops: their temporaries stay in the CPU's cache (and need no fresh memory)
+NUMPY_BLOCK = 1 << 15
+
+
+def _split_numpy(words: np.ndarray, planes: np.ndarray) -> None:
+    """What ``plane_kernels.split`` does, with numpy: per block of :data:`NUMPY_BLOCK` words, shift, then
+    truncate into each plane."""
+    shifted = scratch(min(len(words), NUMPY_BLOCK) * words.itemsize, "split").view(words.dtype)
+    for lo in range(0, len(words), NUMPY_BLOCK):
+        block = words[lo : lo + NUMPY_BLOCK]
+        rows, tmp = planes[:, lo : lo + len(block)], shifted[: len(block)]
+        rows[0] = block
+        for k in range(1, words.itemsize):
+            np.right_shift(block, 8 * k, out=tmp)
+            rows[k] = tmp
 
 
 def plane_table(payload: bytes | memoryview, typesize: int, raw_size: int | None = None) -> tuple[list[PlaneEntry], int]:
@@ -312,13 +377,16 @@ def _interleave(planes: list[np.ndarray], out: np.ndarray) -> None:
         out.reshape(-1, count)[...] = np.stack(planes, axis=1)
         return
     words = out.view(wide)
-    kernels = _plane_kernels()
+    kernels = _ready_kernels(out.nbytes)
     if kernels is not None:
         kernels.join(planes, words)
         return
-    shifted = scratch(words.nbytes).view(wide)
-    words[...] = planes[count - 1]
-    for k in range(count - 2, -1, -1):
-        np.left_shift(words, 8, out=words)
-        shifted[...] = planes[k]
-        np.bitwise_or(words, shifted, out=words)
+    shifted = scratch(min(len(words), NUMPY_BLOCK) * count).view(wide)
+    for lo in range(0, len(words), NUMPY_BLOCK):  # per block, so that the words stay in the CPU's cache
+        block = words[lo : lo + NUMPY_BLOCK]
+        tmp = shifted[: len(block)]
+        block[...] = planes[count - 1][lo : lo + NUMPY_BLOCK]
+        for k in range(count - 2, -1, -1):
+            np.left_shift(block, 8, out=block)
+            tmp[...] = planes[k][lo : lo + NUMPY_BLOCK]
+            np.bitwise_or(block, tmp, out=block)
