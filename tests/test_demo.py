@@ -187,3 +187,17 @@ def test_fresh_refuses_to_delete_a_folder_that_is_not_a_vault(tmp_path: Path) ->
     assert result.exit_code == 2
     assert "is not a ckptvault vault" in result.output
     assert (tmp_path / "precious.txt").read_text() == "keep me"
+
+
+def test_demo_checkpoints_every_step_as_predicted_deltas(tmp_path: Path) -> None:
+    vault = tmp_path / "vault"
+    proc = run_cli("demo", "--vault", str(vault), "--steps", "4", "--every", "1", "--predict", "--repeat", "1", *TINY)
+    assert proc.returncode == 0, proc.stderr
+    assert "restore of step 4 in a fresh process: bit-exact" in proc.stdout
+    with ckptvault.CheckpointManager(vault) as mgr:
+        assert mgr.steps() == [1, 2, 3, 4]
+        assert [len(mgr.manifest(s).get("chain", [])) for s in mgr.steps()] == [0, 1, 2, 3]
+        predicted = [t["path"] for t in mgr.manifest(4)["tensors"] if "predict" in t]
+        assert any(p.startswith("model.") for p in predicted) and any(p.endswith("exp_avg_sq") for p in predicted)
+        assert mgr.info(4).added_bytes < 0.5 * mgr.info(1).added_bytes
+

@@ -8,6 +8,7 @@ Every object checks its values when made, so a wrong one fails where it is writt
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -35,11 +36,23 @@ class DeltaOptions:
     bytes for float32) so that delta saves encode against them instead of reading the keyframe back: ``None``
     (the default) keeps it for asynchronous saves, whose staging copy is host memory already; ``True`` always;
     ``False`` never. Figures: docs/benchmarks/incremental.md.
+
+    ``predict=True``: a checkpoint saved one optimizer step after the previous one stores the weights and moments
+    of Adam, AdamW and SGD (momentum, Nesterov) optimizers in the state as the XOR with their prediction from that
+    checkpoint, losslessly, where that stores less (docs/DESIGN.md §6). The optimizer's parameters pair with the
+    model's arrays in state order; ``predict={"optimizer": "model"}`` names the model subtree of each optimizer
+    key path instead. It keeps a copy of the weights and moments of the latest save in host memory. Restoring a
+    predicted checkpoint rebuilds the ones it was predicted from first; ``max_chain`` caps how many: a checkpoint
+    whose chain reached it is followed by a keyframe (as every ``keyframe_every`` checkpoints), so restore chains
+    are at most ``min(max_chain, keyframe_every - 1)`` long. For a checkpoint every step: ``keyframe_every=20,
+    max_chain=19`` (figures: docs/benchmarks/predicted.md).
     """
 
     keyframe_every: int = 10
     keyframe_growth: float = 0.9
     cache_keyframe: bool | None = None
+    predict: bool | Mapping[str, str] = False
+    max_chain: int = 4
 
     def __post_init__(self) -> None:
         check_kind("keyframe_every", self.keyframe_every, int)
@@ -49,6 +62,14 @@ class DeltaOptions:
             raise InvalidArgumentError(f"keyframe_every must be >= 1, got {self.keyframe_every}")
         if not 0 < self.keyframe_growth:
             raise InvalidArgumentError(f"keyframe_growth must be > 0, got {self.keyframe_growth}")
+        check_kind("predict", self.predict, bool, Mapping)
+        if isinstance(self.predict, Mapping) and not all(isinstance(k, str) and isinstance(v, str)
+                                                         for k, v in self.predict.items()):
+            raise InvalidArgumentError("predict must be True, False or a dict of optimizer key path -> model key path "
+                                       f"(strings), got {dict(self.predict)!r}")
+        check_kind("max_chain", self.max_chain, int)
+        if self.max_chain < 1:
+            raise InvalidArgumentError(f"max_chain must be >= 1, got {self.max_chain}")
 
 
 @dataclass(frozen=True)

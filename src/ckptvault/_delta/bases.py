@@ -53,6 +53,8 @@ def _locate(base: TensorRecord | None, record: ArrayRecord, start: int, length: 
     """(chunk index, offset in chunk) of bytes [start, start+length) of ``base``, if in one piece."""
     if base is None or base.kind != record.kind or base.dtype != record.dtype or base.shape != tuple(record.shape):
         return None
+    if base.predict is not None or record.predict is not None:  # residuals: XOR with another form would not pay
+        return None
     if _stored_as(base.lossy) != _stored_as(record.lossy):
         return None
     position = 0

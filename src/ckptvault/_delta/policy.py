@@ -22,7 +22,8 @@ Invariants (docs/DESIGN.md):
 
 The keyframe cadence: a new keyframe every ``every`` checkpoints, or as soon as
 the previous checkpoint's added bytes exceed ``growth`` x the keyframe's stored
-bytes, or when there is no usable keyframe.
+bytes, or when there is no usable keyframe; with predicted deltas
+(``predict.py``), also after a checkpoint whose restore chain reached ``max_chain``.
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ class DeltaPolicy:
     enabled: bool = True
     every: int = 10
     growth: float = 0.9
+    max_chain: int | None = None  # with predictions: a checkpoint whose chain is this long is followed by a keyframe
 
     def __post_init__(self) -> None:
         check_kind("incremental", self.enabled, bool)
@@ -71,6 +73,8 @@ class DeltaPolicy:
             return True
         if latest.since_keyframe + 1 >= self.every:
             return True
+        if self.max_chain is not None and len(latest.chain) >= self.max_chain:
+            return True  # the next one could not be predicted: a keyframe stores less than a delta before one
         if latest is keyframe or latest.step == keyframe.step:
             return False
         return latest.added_bytes > self.growth * max(keyframe.stored_bytes, 1)
@@ -190,7 +194,8 @@ class DeltaContext:
     recent manifests, so reusing them needs no header read; ``known_stored``:
     their stored sizes, so reusing one the guard watches needs no request at all. ``guard``: those
     manifests as stat'ed before they were read, so the chunks they name need
-    no touch (``_save/guard.py``). ``cache``: the saver's keyframe cache, if it keeps one.
+    no touch (``_save/guard.py``). ``cache``: the saver's keyframe cache, if it keeps one. ``latest``: the
+    latest committed checkpoint before this one, which a delta save may predict from (``predict.py``).
     """
 
     keyframe: Manifest | None = None
@@ -199,27 +204,51 @@ class DeltaContext:
     since_keyframe: int = 0
     cache: KeyframeCache | None = None
     guard: ManifestGuard = field(default_factory=ManifestGuard)
+    latest: Manifest | None = None
 
     @property
     def keyframe_step(self) -> int | None:
         return None if self.keyframe is None else self.keyframe.step
 
 
-def delta_context(vault: Vault, policy: DeltaPolicy, step: int) -> DeltaContext:
+class ManifestCache:
+    """The manifests a saver committed lately, parsed, each with the size and modification time its object had
+    just after the commit: :func:`delta_context` takes one instead of reading it again while a ``stat`` still
+    shows the same object (a predicted checkpoint's manifest carries its restore chain and grows with it)."""
+
+    KEEP = 4
+
+    def __init__(self) -> None:
+        self._entries: dict[str, tuple[int, float, Manifest]] = {}
+
+    def note(self, vault: Vault, manifest: Manifest) -> None:
+        """Remember committed ``manifest`` as its object is now."""
+        key = manifest_key(manifest.step)
+        info = vault.store.stat(key)
+        self._entries[key] = (info.size, info.mtime, manifest)
+        while len(self._entries) > self.KEEP:
+            del self._entries[next(iter(self._entries))]
+
+    def get(self, key: str, size: int, mtime: float) -> Manifest | None:
+        entry = self._entries.get(key)
+        return entry[2] if entry is not None and entry[:2] == (size, mtime) else None
+
+
+def delta_context(vault: Vault, policy: DeltaPolicy, step: int, cache: ManifestCache | None = None) -> DeltaContext:
     """Decide whether checkpoint ``step`` is a keyframe and, if not, against which keyframe.
 
     Reads at most two manifests (the latest committed before ``step`` and its
-    keyframe), each stat'ed first for the save's :class:`ManifestGuard`. A
-    keyframe that was deleted, or any unreadable manifest, simply makes this
-    save a keyframe.
+    keyframe), each stat'ed first for the save's :class:`ManifestGuard` (and
+    taken from ``cache`` while the stat matches). A keyframe that was deleted,
+    or any unreadable manifest, simply makes this save a keyframe.
     """
     earlier = [s for s in vault.steps() if s < step]
     if not policy.enabled or not earlier:
         return DeltaContext()
     watched: dict[str, tuple[int, float]] = {}
     try:
-        latest = _read_watched(vault, earlier[-1], watched)
-        keyframe = latest if latest.keyframe == latest.step else _read_watched(vault, latest.keyframe, watched)
+        latest = _read_watched(vault, earlier[-1], watched, cache)
+        keyframe = latest if latest.keyframe == latest.step else _read_watched(vault, latest.keyframe, watched, cache)
     except VaultError as exc:
         log.info("writing a keyframe: no usable previous keyframe (%s)", exc)
         return DeltaContext()
@@ -228,10 +257,11 @@ def delta_context(vault: Vault, policy: DeltaPolicy, step: int) -> DeltaContext:
     guard = ManifestGuard(watched, known)
     if policy.needs_keyframe(latest, keyframe):
         return DeltaContext(known_bases=known, known_stored=stored, guard=guard)
-    return DeltaContext(keyframe, known, stored, latest.since_keyframe + 1, guard=guard)
+    return DeltaContext(keyframe, known, stored, latest.since_keyframe + 1, guard=guard, latest=latest)
 
 
-def _read_watched(vault: Vault, step: int, watched: dict[str, tuple[int, float]]) -> Manifest:
+def _read_watched(vault: Vault, step: int, watched: dict[str, tuple[int, float]], cache: ManifestCache | None
+                  ) -> Manifest:
     """Manifest of ``step``, after noting its size and mtime in ``watched`` (stat first: what is read is at least
     as new as what was noted, so a change in between shows as a change)."""
     key = manifest_key(step)
@@ -240,4 +270,5 @@ def _read_watched(vault: Vault, step: int, watched: dict[str, tuple[int, float]]
     except ObjectNotFoundError:
         raise StepNotFoundError(step, vault.url) from None
     watched[key] = (info.size, info.mtime)
-    return vault.read_manifest(step)
+    cached = None if cache is None else cache.get(key, info.size, info.mtime)
+    return cached if cached is not None else vault.read_manifest(step)

@@ -85,6 +85,43 @@ class LossyInfo:
         return out
 
 
+@dataclass(frozen=True, slots=True)
+class PredictInput:
+    """An array a prediction reads: the record at key path ``path`` of the checkpoint ``level`` steps back in the
+    manifest's chain (0: the same checkpoint as the predicted record, 1: the one a step earlier)."""
+
+    role: str
+    level: int
+    path: str
+
+    def to_json(self) -> list[Any]:
+        return [self.role, self.level, self.path]
+
+
+@dataclass(frozen=True)
+class PredictInfo:
+    """A record stored as the XOR of its bytes with a prediction (docs/DESIGN.md section 6, "Predicted deltas").
+
+    ``op``: the kernel, by versioned name (``_delta/kernels.py``); ``inputs``: the arrays it reads; ``scalars``:
+    its constants, in the record's dtype, computed once at save; ``digest``: BLAKE3 of the restored bytes, checked
+    after the XOR; ``raw_blocks``: the ``block``-byte blocks stored as they are (the prediction did not pay);
+    ``from_step``: the checkpoint one step earlier that level-1 inputs come from.
+    """
+
+    op: str
+    inputs: tuple[PredictInput, ...]
+    scalars: dict[str, float]
+    digest: str
+    block: int
+    from_step: int
+    raw_blocks: tuple[int, ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        return {"op": self.op, "inputs": [i.to_json() for i in self.inputs], "scalars": dict(self.scalars),
+                "digest": self.digest, "block": self.block, "from_step": self.from_step,
+                "raw_blocks": list(self.raw_blocks)}
+
+
 @dataclass(frozen=True)
 class TensorRecord:
     """One stored array: its key path, kind (``torch``, ``numpy``, ``pickle``, or ``part`` for a lossy tensor's
@@ -102,6 +139,7 @@ class TensorRecord:
     requires_grad: bool = False
     device: str | None = None
     lossy: LossyInfo | None = None
+    predict: PredictInfo | None = None
 
     @property
     def is_lossy(self) -> bool:
@@ -130,7 +168,21 @@ class TensorRecord:
             out["device"] = self.device
         if self.lossy is not None:
             out["lossy"] = self.lossy.to_json()
+        if self.predict is not None:
+            out["predict"] = self.predict.to_json()
         return out
+
+
+@dataclass(frozen=True)
+class ChainLevel:
+    """The records of checkpoint ``step`` that a predicted checkpoint's restore needs, with pieces in the
+    predicted checkpoint's own chunk table: ``chain[0]`` is one step back, ``chain[1]`` two, ..."""
+
+    step: int
+    tensors: tuple[TensorRecord, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"step": self.step, "tensors": [t.to_json() for t in self.tensors]}
 
 
 @dataclass(frozen=True)
@@ -154,6 +206,7 @@ class Manifest:
     writer: str | None = None
     requires: tuple[str, ...] = ()
     version: int = 1
+    chain: tuple[ChainLevel, ...] = ()
 
     @property
     def keyframe(self) -> int:
@@ -178,6 +231,8 @@ class Manifest:
                     "chunks": [c.to_json() for c in self.chunks]})
         if self.requires:
             out["requires"] = list(self.requires)
+        if self.chain:
+            out["chain"] = [level.to_json() for level in self.chain]
         return out
 
 

@@ -26,13 +26,14 @@ import torch
 
 from ..errors import CorruptManifestError, FormatVersionError
 from . import FORMAT_VERSION
+from .predicted import check_chain, check_inputs, check_predict
 from .records import ChunkRef, Descriptor, LossyInfo, Manifest, Piece, TensorRecord
 from .shards import check_boxes, check_sharding, check_shards_node
 
 MANIFEST_FORMAT = "ckptvault.manifest"
 VAULT_FORMAT = "ckptvault.vault"
 #: optional features a manifest may declare in "requires"; a reader refuses any it does not know
-KNOWN_FEATURES = frozenset({"lossy", "xplanes", "sharded"})
+KNOWN_FEATURES = frozenset({"lossy", "xplanes", "sharded", "predicted"})
 #: the only chunk hash of format version 1
 HASH_NAME = "blake3"
 #: chunk sizes a vault may declare: a multiple of 64 (every dtype's elements end on a chunk boundary) in this range
@@ -164,9 +165,12 @@ def check_manifest(body: Any, what: str, step: int | None = None, chunk_size: in
         if record.is_lossy:
             _check_parts(f, record, f"tensors[{i}].lossy.parts", tensors)
     check_boxes(f, tensors)
+    chain = check_chain(f, body.get("chain", []), lambda record, at: _check_record(f, record, at, raws))
+    check_inputs(f, tensors, chain, requires)
     tree = f.required(body, "tree")
     check_sharding(f, tensors, _check_tree(f, tree, tensors), requires)
-    return Manifest(tree=tree, tensors=tensors, chunks=chunks, requires=requires, version=version, **header)
+    return Manifest(tree=tree, tensors=tensors, chunks=chunks, requires=requires, version=version, chain=chain,
+                    **header)
 
 
 def _check_requires(f: _Fields, requires: Any) -> tuple[str, ...]:
@@ -261,7 +265,9 @@ def _check_record(f: _Fields, record: Any, at: str, chunks: list[int]) -> Tensor
         path=f.str(f.required(record, "path", at), f"{at}.path"), kind=kind, dtype=dtype, shape=shape, nbytes=nbytes,
         codec=f.str(f.required(record, "codec", at), f"{at}.codec"), pieces=pieces,
         requires_grad=f.bool(record.get("requires_grad", False), f"{at}.requires_grad"),
-        device=f.str(record["device"], f"{at}.device") if "device" in record else None, lossy=lossy, **optional)
+        device=f.str(record["device"], f"{at}.device") if "device" in record else None, lossy=lossy,
+        predict=check_predict(f, record["predict"], f"{at}.predict", dtype) if "predict" in record else None,
+        **optional)
 
 
 def _itemsize(f: _Fields, kind: str, dtype: Any, field: str) -> int:

@@ -29,6 +29,7 @@ from .._tree import join_path, leaf_paths, unflatten
 from .._vault import Vault
 from ..errors import CorruptChunkError, InvalidArgumentError, KeyMismatchError, ObjectNotFoundError, PickleNotAllowedError
 from ..rules import any_match
+from .predicted import fill_predicted, is_predicted
 
 #: where read_into writes: a record index, or ("base", index) for a residual's keyframe copy
 #: a record index; ``("base", i)``: residual record i's keyframe copy; ``("range", i, start, length)``: bytes
@@ -38,6 +39,22 @@ Dest = int | tuple[str, int] | tuple[str, int, int, int]
 
 def read_into(vault: Vault, manifest: Manifest, dests: dict[Dest, memoryview | Callable[[], memoryview]],
               progress: Progress | None = None, on_filled: Callable[[Dest], None] | None = None) -> None:
+    """Fill ``dests`` as :func:`read_stored` does, predicted records rebuilt (``predicted.py``) after the others
+    (their extra reads are not reported to ``progress``)."""
+    predicted = {key: dests[key] for key in dests if is_predicted(manifest.tensors, key)}
+    if not predicted:
+        read_stored(vault, manifest, dests, progress, on_filled)
+        return
+    for key in predicted:
+        del dests[key]
+    read_stored(vault, manifest, dests, progress, on_filled)
+    fill_predicted(vault, manifest, predicted, read_stored, on_filled)
+    if on_filled is None:  # as read_stored leaves them
+        dests.update(predicted)
+
+
+def read_stored(vault: Vault, manifest: Manifest, dests: dict[Dest, memoryview | Callable[[], memoryview]],
+                progress: Progress | None = None, on_filled: Callable[[Dest], None] | None = None) -> None:
     """Fill ``dests`` (record index -> writable byte view of its stored bytes) from the vault.
 
     A key ``("base", i)`` reads the keyframe copy that residual record ``i`` is

@@ -5,8 +5,11 @@
   array starts on a chunk boundary, an unchanged array produces identical
   chunks in every checkpoint, whatever changed before it.
 * Small arrays are packed one after another into shared chunks, one pack per
-  (codec, element size), so a state of 10,000 tiny tensors writes a handful of
-  objects and shuffle still sees whole elements.
+  (codec, element size, group), so a state of 10,000 tiny tensors writes a
+  handful of objects and shuffle still sees whole elements. The group keeps
+  apart arrays of unlike content: the residuals of predictions that are nearly
+  exact (almost all zero bits) from noisy arrays, so that each chunk's byte
+  planes compress as one kind of data.
 
 ``chunk_size`` is a multiple of 64, so cuts always fall on element boundaries.
 """
@@ -50,6 +53,7 @@ class LeafSpec:
     nbytes: int
     itemsize: int
     codec: str
+    group: str = ""
 
 
 def plan_chunks(
@@ -58,7 +62,7 @@ def plan_chunks(
     """Return the chunks to build and, per leaf, the pieces that locate its bytes."""
     plans: list[ChunkPlan] = []
     pieces: list[list[Piece]] = [[] for _ in leaves]
-    open_packs: dict[tuple[str, int], int] = {}
+    open_packs: dict[tuple[str, int, str], int] = {}
     filled: dict[int, int] = {}  # bytes in each pack so far (ChunkPlan.nbytes would make packing quadratic)
     for index, leaf in enumerate(leaves):
         if leaf.nbytes == 0:
@@ -69,7 +73,7 @@ def plan_chunks(
                 plans.append(ChunkPlan(leaf.codec, leaf.itemsize, [Source(index, start, length)]))
                 pieces[index].append(Piece(len(plans) - 1, 0, length))
             continue
-        key = (leaf.codec, leaf.itemsize)
+        key = (leaf.codec, leaf.itemsize, leaf.group)
         slot = open_packs.get(key)
         if slot is None or filled[slot] + leaf.nbytes > chunk_size:
             plans.append(ChunkPlan(leaf.codec, leaf.itemsize))

@@ -24,6 +24,7 @@ import numpy as np
 
 from .._codecs import BytePlanes, PlaneDelta, chain_for
 from .._delta.bases import BaseRef, find_bases
+from .._delta.kernels import NEARLY_EXACT
 from .._delta.policy import DeltaContext
 from .._delta.reads import base_planes_for_save
 from .._feedback import metered
@@ -72,6 +73,11 @@ def _full(planes: BytePlanes, raw: memoryview, parts: list[Any]) -> tuple[ChunkH
 PROBE_MISSES = 8
 
 
+def pack_group(record: Any) -> str:
+    """The pack of a small array (``chunking.py``): residuals of nearly exact predictions apart from the rest."""
+    return "exact" if record.predict is not None and record.predict.op in NEARLY_EXACT else ""
+
+
 def pack_threshold(chunk_size: int) -> int:
     """Arrays smaller than this share chunks with other small arrays."""
     return chunk_size // 4
@@ -82,7 +88,7 @@ def write_chunks(vault: Vault, snapshot: Snapshot, progress: Progress | None = N
     """Write every chunk of ``snapshot`` the vault lacks. Returns chunk results and per-leaf pieces."""
     delta = delta or DeltaContext()
     chunk_size = vault.require().chunk_size
-    specs = [LeafSpec(r.nbytes, r.itemsize, r.codec) for r in snapshot.records]
+    specs = [LeafSpec(r.nbytes, r.itemsize, r.codec, pack_group(r)) for r in snapshot.records]
     plans, pieces = plan_chunks(specs, chunk_size, pack_threshold(chunk_size))
     bases = find_bases(plans, snapshot.records, delta.keyframe) if delta.keyframe else [None] * len(plans)
     batch = vault.store.write_batch()

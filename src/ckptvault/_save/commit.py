@@ -17,6 +17,7 @@ from .._feedback import warn_at_caller
 from .._format import FORMAT_VERSION, records
 from .._format.chunk_object import CHUNKS_PREFIX, chunk_key
 from .._format.manifest import encode_manifest, manifest_key
+from .._format.predicted import build_chain
 from .._format.records import ChunkRef, LossyInfo, Manifest, TensorRecord
 from .._format.schema import MAX_DEPTH, MAX_STEP, too_deep
 from .._parallel import map_all
@@ -38,24 +39,29 @@ LIST_PER_PROBE = 10
 
 def build_manifest(step: int, snapshot: Snapshot, chunks: list[ChunkResult], pieces: list[list[Piece]],
                    metrics: dict[str, Any], metadata: dict[str, Any],
-                   keyframe_step: int | None = None, since_keyframe: int = 0) -> Manifest:
+                   keyframe_step: int | None = None, since_keyframe: int = 0, predicted_from: Manifest | None = None
+                   ) -> Manifest:
     """The manifest: every tensor, the unique chunks they use, and the statistics.
 
     ``metrics`` and ``metadata`` as :func:`json_fields` returned them. ``keyframe_step`` is the keyframe whose
     chunks this checkpoint's deltas are against (None: this checkpoint is a keyframe); ``since_keyframe`` counts
-    checkpoints since it.
+    checkpoints since it. ``predicted_from``: the checkpoint predicted records are predicted from, whose records
+    they read (and its chain's) the manifest's restore chain lists.
     """
     table = ChunkTable()
     remap = [table.add(ChunkRef(c.id, c.raw, c.stored, c.new, c.base)) for c in chunks]
     tensors = tuple(_tensor_record(record, leaf_pieces, remap, table)
                     for record, leaf_pieces in zip(snapshot.records, pieces, strict=True))
+    chain = build_chain(tensors, predicted_from, table.add)
     requires = tuple(feature for feature, used in (("lossy", any(t.lossy is not None for t in tensors)),
-                                                   ("xplanes", any(c.base for c in table.entries))) if used)
-    return new_manifest(
+                                                   ("xplanes", any(c.base for c in table.entries)),
+                                                   ("predicted", bool(chain))) if used)
+    manifest = new_manifest(
         step, table, tensors, tree=snapshot.tree, logical_bytes=snapshot.logical_bytes, metrics=metrics,
         metadata=metadata, pickle=snapshot.allow_pickle and any(r.kind == "pickle" for r in snapshot.records),
         keyframe_step=step if keyframe_step is None else keyframe_step,
         since_keyframe=0 if keyframe_step is None else since_keyframe, requires=requires)
+    return replace(manifest, chain=chain) if chain else manifest
 
 
 def new_manifest(step: int, table: ChunkTable, tensors: tuple[TensorRecord, ...], *, tree: Any, logical_bytes: int,
@@ -94,7 +100,8 @@ def _tensor_record(record: ArrayRecord, pieces: list[Piece], remap: list[int], t
         path=record.path, kind=record.kind, dtype=record.dtype, shape=tuple(record.shape), nbytes=record.nbytes,
         codec=record.codec, pieces=tuple(records.Piece(remap[p.chunk], p.offset, p.length) for p in pieces),
         global_shape=tuple(record.shape), offsets=(0,) * len(record.shape), requires_grad=record.requires_grad,
-        device=None if record.device == "cpu" else record.device, lossy=_lossy_info(record, table))
+        device=None if record.device == "cpu" else record.device, lossy=_lossy_info(record, table),
+        predict=record.predict)
 
 
 def _lossy_info(record: ArrayRecord, table: ChunkTable) -> LossyInfo | None:

@@ -30,7 +30,8 @@ from typing import Any
 
 from .._argcheck import check_kind
 from .._codecs.lossy import LossySafety
-from .._delta.policy import DeltaPolicy, KeyframeCache, delta_context
+from .._delta.policy import DeltaPolicy, KeyframeCache, ManifestCache, delta_context
+from .._delta.predict import Predictor
 from .._vault import Vault
 from ..errors import SaveError, VaultError
 from ..handle import SaveHandle
@@ -64,7 +65,8 @@ class Saver(InFlight):
 
     def __init__(self, vault: Vault, delta_policy: DeltaPolicy, *, async_save: bool = True,
                  async_options: AsyncOptions | None = None, after_commit: Callable[[int], None] | None = None,
-                 safety: LossySafety | None = None, cache_keyframe: bool | None = None) -> None:
+                 safety: LossySafety | None = None, cache_keyframe: bool | None = None,
+                 predictor: Predictor | None = None) -> None:
         check_kind("async_save", async_save, bool)
         check_kind("cache_keyframe", cache_keyframe, bool, type(None))
         super().__init__("ckptvault-save")
@@ -81,6 +83,8 @@ class Saver(InFlight):
         wanted = async_save if cache_keyframe is None else cache_keyframe
         deltas = delta_policy.enabled and delta_policy.every > 1  # every=1: every checkpoint is a keyframe
         self._keyframe_cache = KeyframeCache() if wanted and deltas else None
+        self._predictor = predictor if deltas else None
+        self._manifests = ManifestCache() if self._predictor is not None else None
         _LIVE.add(self)
 
     def submit(self, request: SaveRequest, state: Any, rules: CodecRules, allow_pickle: bool) -> SaveHandle:
@@ -109,7 +113,7 @@ class Saver(InFlight):
     def _complete(self, handle: SaveHandle, request: SaveRequest, snapshot: Snapshot) -> None:
         """Steps after the snapshot. Never raises: the outcome goes to the handle (and errors to pending)."""
         try:
-            delta = delta_context(self.vault, self.delta_policy, request.step)
+            delta = delta_context(self.vault, self.delta_policy, request.step, self._manifests)
             delta.cache = self._keyframe_cache
             if delta.cache is not None and delta.keyframe is None:
                 if snapshot.staged or self.cache_keyframe:
@@ -118,11 +122,16 @@ class Saver(InFlight):
                     delta.cache.clear()
             buffers = self._lossy_buffers if snapshot.staged else None
             snapshot = apply_lossy(snapshot, self.safety, request.lossless, self.vault, delta.keyframe, buffers)
+            if self._predictor is not None:  # keyframes are never predicted: each one ends the restore chains
+                latest = delta.latest if delta.keyframe is not None else None
+                snapshot = self._predictor.apply(snapshot, latest, request.step, self.vault.chunk_size(), self.vault.pool)
             chunks, pieces = write_chunks(self.vault, snapshot, request.progress, delta)
             manifest = build_manifest(request.step, snapshot, chunks, pieces, request.metrics, request.metadata,
-                                      delta.keyframe_step, delta.since_keyframe)
+                                      delta.keyframe_step, delta.since_keyframe, delta.latest)
             commit(self.vault, request.step, manifest, request.overwrite, delta.guard)
         except BaseException as caught:  # noqa: BLE001 - handed to the caller, not swallowed
+            if self._predictor is not None:
+                self._predictor.forget()
             if self._keyframe_cache is not None:
                 self._keyframe_cache.abort()
             what = f"the save of step {request.step} failed, nothing committed"
@@ -133,6 +142,7 @@ class Saver(InFlight):
             return
         handle.committed.set_result(info_from_manifest(manifest))
         self._commit_keyframe_cache(request.step)
+        self._keep_for_predictions(manifest)
         if self.after_commit is not None:
             try:
                 self.after_commit(request.step)
@@ -153,6 +163,19 @@ class Saver(InFlight):
         except Exception as exc:  # noqa: BLE001 - the save is committed; deltas read the keyframe from the store
             log.warning("could not keep keyframe %d in the keyframe cache (%s: %s); its deltas will read it back",
                         step, type(exc).__name__, exc)
+
+    def _keep_for_predictions(self, manifest: Any) -> None:
+        """Copy committed ``manifest``'s arrays for the next save's predictions (after the commit is reported, before
+        the next save may stage, as for the keyframe cache). A failure costs the next save its predictions only."""
+        if self._predictor is None or self._manifests is None:
+            return
+        try:
+            self._manifests.note(self.vault, manifest)
+            self._predictor.keep(manifest)
+        except Exception as exc:  # noqa: BLE001 - the save is committed; the next one is simply not predicted
+            self._predictor.forget()
+            log.warning("could not keep step %d's arrays for predictions (%s: %s); the next save is not predicted",
+                        manifest.step, type(exc).__name__, exc)
 
     def close(self) -> None:
         """Flush: wait for the save in flight, stop the background thread, raise any unreported error."""

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from .._arrays import host_contiguous, ndarray_bytes, tensor_bytes, torch_dtype_name
-from .._format.records import ChunkRef, LossyInfo
+from .._format.records import ChunkRef, LossyInfo, PredictInfo
 from .._tree import Leaf, Node, flatten
 from ..rules import CodecRules
 from .staging import StagingBuffer, aligned_offsets
@@ -50,6 +50,8 @@ class ArrayRecord:
     keyframe_pieces: tuple[KeyframePiece, ...] = ()
     #: where a shard's box starts in its global array (DCP saves); None: the record is the whole array
     offsets: tuple[int, ...] | None = None
+    #: set by the prediction step (``_delta/predict.py``): the view holds the XOR with this prediction
+    predict: PredictInfo | None = None
 
     @property
     def logical_nbytes(self) -> int:

@@ -29,6 +29,10 @@ from .render import human_bytes, table
 @click.option("--steps", type=click.IntRange(min=1), default=None, help="Train exactly this many steps instead.")
 @click.option("--every", type=click.IntRange(min=1), default=50, show_default=True,
               help="Checkpoint every K steps (and always at the last step).")
+@click.option("--predict", is_flag=True,
+              help="Store a checkpoint one optimizer step after the previous one as the XOR with its prediction from "
+                   "it (DeltaOptions(predict=True), keyframe_every=20, max_chain=19); with --every 1, a checkpoint "
+                   "every step.")
 @click.option("--codec", default="zstd", show_default=True, help="Vault codec: zstd, zstd-N, lz4, none/fast.")
 @click.option("--batch-size", type=click.IntRange(min=1), default=16, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
@@ -39,8 +43,8 @@ from .render import human_bytes, table
 @json_option
 @progress_option
 def demo(vault: str, storage_options: tuple[str, ...], codec_rules: str | None, keep_last: int | None, minutes: float,
-         steps: int | None, every: int, codec: str, batch_size: int, seed: int, resume: bool, fresh: bool, repeat: int,
-         as_json: bool, progress: bool | None) -> None:
+         steps: int | None, every: int, predict: bool, codec: str, batch_size: int, seed: int, resume: bool, fresh: bool,
+         repeat: int, as_json: bool, progress: bool | None) -> None:
     """Train a GPT, checkpoint it, check a restore.
 
     Trains a small GPT on the Python standard library's sources for about --minutes (or --steps) with AdamW and a warmup-cosine LR
@@ -56,7 +60,7 @@ def demo(vault: str, storage_options: tuple[str, ...], codec_rules: str | None, 
     opts = DemoOptions(vault=vault, minutes=minutes, steps=steps, every=every, codec=codec, resume=resume,
                        fresh=fresh, batch_size=batch_size, seed=seed, repeat=repeat,
                        storage_options=_demo_storage_options(storage_options), codec_rules=codec_rules,
-                       keep_last=keep_last)
+                       keep_last=keep_last, predict=predict)
     with _training_bar(progress) as on_step:
         report = run_demo(opts, on_step)
     if as_json:

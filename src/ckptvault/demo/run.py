@@ -29,6 +29,7 @@ from .._maintenance.mixin import Retention
 from .._vault import DESCRIPTOR_KEY
 from ..errors import InvalidArgumentError, VaultError
 from ..manager import CheckpointManager
+from ..options import DeltaOptions
 from ..stores import LocalStore, open_store
 from .check import STORAGE_OPTIONS_ENV, write_reference
 from .model import num_params
@@ -63,6 +64,7 @@ class DemoOptions:
     storage_options: dict[str, Any] | None = None  # for an s3:// (or fsspec) --vault; also given to the check process
     codec_rules: str | dict[str, str] | None = None  # a preset name ("fp16": the seed workflow) or rules
     keep_last: int | None = None  # retention after each save (the vault's lifecycle; gc included)
+    predict: bool = False  # predicted deltas, for checkpoints one step apart (--every 1)
 
 
 @dataclass
@@ -110,7 +112,8 @@ def run_demo(opts: DemoOptions, on_step: OnStep | None = None) -> DemoReport:
         _remove_vault(opts.vault, opts.storage_options)
     retention = Retention(keep_last=opts.keep_last) if opts.keep_last else None
     with CheckpointManager(opts.vault, codec=opts.codec, storage_options=opts.storage_options,
-                           codec_rules=opts.codec_rules, retention=retention) as mgr, tempfile.TemporaryDirectory(
+                           codec_rules=opts.codec_rules, retention=retention, delta=_delta_options(opts)
+                           ) as mgr, tempfile.TemporaryDirectory(
         prefix=".ckptvault-demo-", dir=_scratch_parent(mgr)
     ) as scratch:
         latest = _resume_point(mgr, opts)
@@ -131,6 +134,11 @@ def run_demo(opts: DemoOptions, on_step: OnStep | None = None) -> DemoReport:
         report.vault_bytes = sum(mgr.info(s).added_bytes for s in report.steps)
     log.info("demo finished: %d checkpoints, restore check %s", len(report.steps), "passed" if report.ok else "FAILED")
     return report
+
+
+def _delta_options(opts: DemoOptions) -> DeltaOptions:
+    """The keyframe cadence every-step checkpoints want with predictions (docs/benchmarks/predicted.md)."""
+    return DeltaOptions(predict=True, keyframe_every=20, max_chain=19) if opts.predict else DeltaOptions()
 
 
 def _validate(opts: DemoOptions) -> None:

@@ -1,0 +1,297 @@
+"""Predicted deltas: a checkpoint one optimizer step after the previous one stores its weights and moments as the
+XOR with their prediction from that checkpoint (DESIGN §6, "Predicted deltas").
+
+Call order, one save at a time (the saver's): :meth:`Predictor.apply` after the snapshot (and lossy step), which
+replaces the views of predicted records with their residuals; then the chunks are written and the manifest,
+with the restore chain :func:`build_chain` makes, committed; then :meth:`Predictor.keep` copies the arrays the
+next save's predictions read (this save's original bytes), or :meth:`Predictor.forget` after a failure. Only a
+committed checkpoint's arrays are ever predicted from, and only when it is the vault's latest, of the same
+manifest (``time``) the predictor kept, exactly one optimizer step back.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+import zstandard
+
+from .._format.records import Manifest, PredictInfo, PredictInput, TensorRecord
+from .._save.snapshot import ArrayRecord, Snapshot
+from ..errors import PredictionError
+from .kernels import check_ieee, digest, predict, xor_prediction
+from .optimizers import ParamSlot, find_slots
+
+log = logging.getLogger(__name__)
+
+#: bytes of a block sampled to judge whether its prediction pays (a zstd-1 estimate of each form)
+SAMPLE = 1 << 16
+#: blocks smaller than this are judged by their count of non-zero bytes (too little for zstd to say)
+SMALL = 4096
+_ESTIMATOR = zstandard.ZstdCompressor(level=1)
+
+
+@dataclass
+class _Kept:
+    """The arrays of the latest committed save that the next save's predictions may read."""
+
+    step: int
+    time: float
+    arrays: dict[str, np.ndarray]
+    slots: dict[tuple[str, int], dict[str, Any]]  # (optimizer, pid) -> kind, group, step, moment paths
+
+
+@dataclass
+class _Plan:
+    index: int
+    op: str
+    inputs: tuple[PredictInput, ...]
+    scalars: dict[str, float]
+
+
+@dataclass
+class Predictor:
+    """Predicts a save's arrays from the previous save's (``DeltaOptions.predict``); one per saver."""
+
+    pairs: Mapping[str, str] | None = None
+    max_chain: int = 4
+    _kept: _Kept | None = None
+    _pending: tuple[int, list[memoryview], dict[tuple[str, int], ParamSlot], list[ArrayRecord]] | None = None
+    _buffers: dict[str, np.ndarray] = field(default_factory=dict)
+
+    def apply(self, snapshot: Snapshot, latest: Manifest | None, step: int, block: int,
+              pool: ThreadPoolExecutor | None = None) -> Snapshot:
+        """``snapshot`` with each record that a prediction from ``latest`` stores smaller replaced by its residual
+        (the kernels run in slices on ``pool``, if given)."""
+        slots = find_slots(snapshot.tree, snapshot.records, snapshot.views, self.pairs)
+        self._pending = (step, list(snapshot.views), slots, list(snapshot.records))
+        kept = self._kept
+        if kept is None or latest is None or latest.step != kept.step or latest.time != kept.time:
+            return snapshot
+        if len(latest.chain) + 1 > self.max_chain:
+            log.info("step %d: not predicted, the restore chain is at its cap of %d", step, self.max_chain)
+            return snapshot
+        try:
+            check_ieee()
+        except PredictionError as exc:
+            log.warning("step %d is saved without predictions: %s", step, exc)
+            return snapshot
+        plans = _plans(snapshot, slots, kept, latest)
+        return self._residuals(snapshot, plans, kept, latest.step, block, pool) if plans else snapshot
+
+    def _residuals(self, snapshot: Snapshot, plans: list[_Plan], kept: _Kept, from_step: int, block: int,
+                   pool: ThreadPoolExecutor | None) -> Snapshot:
+        records, views = list(snapshot.records), list(snapshot.views)
+        current = {r.path: _array(snapshot.views[i], r) for i, r in enumerate(snapshot.records)}
+        last_read = {i.path: n for n, plan in enumerate(plans) for i in plan.inputs if i.level == 1}
+        for n, plan in enumerate(plans):
+            record = records[plan.index]
+            actual = current[record.path]
+            inputs = {i.role: (current if i.level == 0 else kept.arrays)[i.path] for i in plan.inputs}
+            residual = self._residual_buffer(record.path, actual, kept, last_read.get(record.path, -1) <= n)
+            xor_prediction(plan.op, inputs, plan.scalars, residual, pool=pool, source=actual)
+            raw_blocks = _raw_blocks(actual, residual, block)
+            if len(raw_blocks) * block >= record.nbytes:
+                continue
+            _restore_blocks(residual, actual, raw_blocks, block)
+            info = PredictInfo(plan.op, plan.inputs, plan.scalars, digest(actual), block, from_step,
+                               tuple(raw_blocks))
+            records[plan.index] = replace(record, predict=info)
+            views[plan.index] = residual.view(np.uint8).data
+        return replace(snapshot, records=records, views=views)
+
+    def _residual_buffer(self, path: str, like: np.ndarray, kept: _Kept, free: bool) -> np.ndarray:
+        """Where record ``path``'s residual goes: its own kept array from the previous save when no later prediction
+        of this save reads it (``free``; :meth:`keep` refills it after the commit), else a buffer of its own."""
+        own = kept.arrays.get(path)
+        if free and own is not None and own.dtype == like.dtype and own.shape == like.shape:
+            return own
+        buffer = self._buffers.get(path)
+        if buffer is None or buffer.dtype != like.dtype or buffer.shape != like.shape:
+            buffer = self._buffers[path] = np.empty_like(like)
+        return buffer
+
+    def keep(self, manifest: Manifest) -> None:
+        """After ``manifest`` (this save's) is committed: keep its arrays for the next save's predictions."""
+        if self._pending is None or self._pending[0] != manifest.step:
+            self.forget()
+            return
+        _step, views, slots, records = self._pending
+        self._pending = None
+        index = {r.path: i for i, r in enumerate(records)}
+        wanted: set[str] = set()
+        described = {}
+        for key, slot in slots.items():
+            paths = {name: records[i].path for name, i in slot.moments.items()}
+            described[key] = {"kind": slot.kind, "group": slot.group, "step": slot.step, "moments": paths}
+            wanted.update(paths.values())
+            wanted.update(records[i].path for i in slot.candidates)
+        old = self._kept.arrays if self._kept is not None else {}
+        arrays = {}
+        for path in wanted:
+            source = _array(views[index[path]], records[index[path]])
+            target = old.get(path)
+            if target is None or target.shape != source.shape or target.dtype != source.dtype:
+                target = np.empty_like(source)
+            np.copyto(target, source)
+            arrays[path] = target
+        self._kept = _Kept(manifest.step, manifest.time, arrays, described)
+
+    def forget(self) -> None:
+        self._kept, self._pending = None, None
+
+
+def _array(view: memoryview, record: ArrayRecord | TensorRecord) -> np.ndarray:
+    """A record's bytes as a flat array of its dtype (float32/float64), or of bytes for any other dtype."""
+    dtype = {"float32": np.float32, "float64": np.float64}.get(record.dtype, np.uint8)
+    return np.frombuffer(view, dtype=dtype)
+
+
+def _plans(snapshot: Snapshot, slots: dict[tuple[str, int], ParamSlot], kept: _Kept, latest: Manifest) -> list[_Plan]:
+    """The predictions to try, per parameter: second moments, first moments, AMSGrad maxima, then the parameter
+    (which reads its step's moments; :meth:`Predictor._residuals` relies on this order to reuse kept arrays)."""
+    records = snapshot.records
+    previous = {t.path: t for t in latest.tensors}
+    usable = {r.path for r in records if r.lossy is None or not r.lossy.is_lossy}
+
+    def ready(path: str) -> bool:
+        old = previous.get(path)
+        return (path in usable and path in kept.arrays and old is not None and not old.is_lossy
+                and old.dtype == by_path[path].dtype and list(old.shape) == list(by_path[path].shape))
+
+    by_path = {r.path: r for r in records}
+    index = {r.path: i for i, r in enumerate(records)}
+    current = {r.path: _array(snapshot.views[i], r) for i, r in enumerate(records)}
+    plans: list[_Plan] = []
+    chosen: set[str] = set()
+    for key, slot in slots.items():
+        before = kept.slots.get(key)
+        if before is None or before["kind"] != slot.kind:
+            continue
+        paths = {name: records[i].path for name, i in slot.moments.items()}
+        if before["moments"] != paths or not all(ready(p) for p in paths.values()):
+            continue
+        make = _adam_plans if slot.kind == "adam" else _sgd_plans
+        dtype = np.dtype(np.float32) if by_path[next(iter(paths.values()))].dtype == "float32" else np.dtype(np.float64)
+        candidates = [records[i].path for i in slot.candidates if ready(records[i].path) and records[i].path not in chosen]
+        found = make(slot, before, paths, candidates[0] if candidates else None, dtype)
+        if found and found[-1][1] in PARAMETER_OPS:
+            if len(candidates) > 1:
+                found[-1] = _best_pairing(found[-1], candidates, current, kept)
+            chosen.add(found[-1][0])
+        plans.extend(_Plan(index[path], op, inputs, scalars) for path, op, inputs, scalars in found)
+    return plans
+
+
+PARAMETER_OPS = ("adam-param-1", "sgd-param-1", "sgd-nesterov-1")
+#: elements of each candidate a parameter's prediction is tried on, where several model arrays could be it
+TRIAL = 256
+
+
+def _best_pairing(plan: tuple[str, str, tuple[PredictInput, ...], dict[str, float]], candidates: list[str],
+                  current: dict[str, np.ndarray], kept: _Kept) -> tuple[str, str, tuple[PredictInput, ...], dict[str, float]]:
+    """The parameter plan for whichever candidate array its prediction matches best on the first elements."""
+    _path, op, inputs, scalars = plan
+    scores = []
+    for candidate in candidates:
+        if candidate in {i.path for i in inputs if i.role != "p0"}:
+            scores.append(-1)
+            continue
+        trial = {i.role: (kept.arrays[candidate] if i.role == "p0" else
+                          (current if i.level == 0 else kept.arrays)[i.path])[:TRIAL] for i in inputs}
+        scores.append(int(np.count_nonzero(predict(op, trial, scalars) == current[candidate][:TRIAL])))
+    best = candidates[scores.index(max(scores))]
+    return best, op, tuple(PredictInput(i.role, i.level, best) if i.role == "p0" else i for i in inputs), scalars
+
+
+Found = list[tuple[str, str, tuple[PredictInput, ...], dict[str, float]]]
+
+
+def _adam_plans(slot: ParamSlot, before: dict[str, Any], paths: dict[str, str], param: str | None,
+                dtype: np.dtype) -> Found:
+    if slot.step is None or before["step"] is None or slot.step != before["step"] + 1:
+        return []
+    group = before["group"]  # the hyperparameters in force during the step: the previous checkpoint's
+    b1, b2 = (float(b) for b in group["betas"])
+    lr, wd, eps = float(group["lr"]), float(group["weight_decay"]), float(group["eps"])
+    m, v = paths.get("exp_avg"), paths.get("exp_avg_sq")
+    if m is None or v is None:
+        return []
+    c = _caster(dtype)
+    # the second moment first: it reads the old first moment, whose kept copy then takes the first's residual
+    out: Found = [(v, "adam-sq-1", (PredictInput("v0", 1, v), PredictInput("m0", 1, m), PredictInput("m1", 0, m)),
+                   {"b1": c(b1), "one_minus_b1": c(1 - b1), "b2": c(b2), "one_minus_b2": c(1 - b2)}),
+                  (m, "scale-1", (PredictInput("x0", 1, m),), {"c": c(b1)})]
+    second = v
+    if group.get("amsgrad") and "max_exp_avg_sq" in paths:
+        second = paths["max_exp_avg_sq"]
+        out.append((second, "max-1", (PredictInput("a0", 1, second), PredictInput("b1", 0, v)), {}))
+    if param is not None:
+        t = slot.step
+        bc1, bc2 = 1 - b1 ** t, 1 - b2 ** t  # Python floats, as torch computes them; stored, never recomputed
+        decay = 1 - lr * wd if group.get("decoupled_weight_decay") and wd != 0 else 1.0
+        out.append((param, "adam-param-1",
+                    (PredictInput("p0", 1, param), PredictInput("m1", 0, m), PredictInput("v1", 0, second)),
+                    {"decay": c(decay), "neg_step_size": c(-(lr / bc1)), "bc2_sqrt": c(bc2 ** 0.5), "eps": c(eps)}))
+    return out
+
+
+def _sgd_plans(slot: ParamSlot, before: dict[str, Any], paths: dict[str, str], param: str | None,
+               dtype: np.dtype) -> Found:
+    buf = paths.get("momentum_buffer")
+    group = before["group"]
+    if buf is None:
+        return []
+    c = _caster(dtype)
+    momentum, lr = float(group["momentum"]), float(group["lr"])
+    out: Found = [(buf, "scale-1", (PredictInput("x0", 1, buf),), {"c": c(momentum)})]
+    if param is None:
+        return out
+    if group.get("nesterov"):  # the parameter last, as every caller expects (it reads the old buffer too)
+        out.append((param, "sgd-nesterov-1",
+                    (PredictInput("p0", 1, param), PredictInput("buf0", 1, buf), PredictInput("buf1", 0, buf)),
+                    {"neg_lr": c(-lr), "momentum": c(momentum), "one_minus_dampening": c(1 - float(group["dampening"]))}))
+    else:
+        out.append((param, "sgd-param-1", (PredictInput("p0", 1, param), PredictInput("buf1", 0, buf)),
+                    {"neg_lr": c(-lr)}))
+    return out
+
+
+def _caster(dtype: np.dtype) -> Callable[[float], float]:
+    """Rounds a Python float to ``dtype`` (the value a kernel computes with), as a float JSON keeps exactly."""
+    return lambda value: float(dtype.type(value))
+
+
+def _raw_blocks(actual: np.ndarray, residual: np.ndarray, block: int) -> list[int]:
+    """Blocks (of ``block`` bytes) whose residual a zstd-1 estimate on a sample of each form says stores larger
+    than the block itself."""
+    raw_bytes, res_bytes = actual.view(np.uint8), residual.view(np.uint8)
+    out = []
+    for k, start in enumerate(range(0, len(raw_bytes), block)):
+        end = min(start + block, len(raw_bytes))
+        mid = start + max(0, (end - start - SAMPLE) // 2)
+        mid -= mid % actual.itemsize
+        stop = min(end, mid + SAMPLE)
+        if _estimate(res_bytes[mid:stop], actual.itemsize) > _estimate(raw_bytes[mid:stop], actual.itemsize):
+            out.append(k)
+    return out
+
+
+def _estimate(sample: np.ndarray, itemsize: int) -> int:
+    """Compressed size of ``sample`` byte-shuffled (planes of equal significance together), as the codecs store it;
+    for a sample too small for zstd to judge, its count of non-zero bytes."""
+    if len(sample) < SMALL:
+        return int(np.count_nonzero(sample))
+    usable = len(sample) - len(sample) % itemsize
+    planes = sample[:usable].reshape(-1, itemsize).T.copy()
+    return len(_ESTIMATOR.compress(planes.tobytes()))
+
+
+def _restore_blocks(residual: np.ndarray, actual: np.ndarray, blocks: list[int], block: int) -> None:
+    res_bytes, raw_bytes = residual.view(np.uint8), actual.view(np.uint8)
+    for k in blocks:
+        res_bytes[k * block:(k + 1) * block] = raw_bytes[k * block:(k + 1) * block]

@@ -1,0 +1,135 @@
+"""Checks of predicted records and of the restore chain a predicted checkpoint carries (DESIGN §6, "Predicted deltas").
+
+A record with ``"predict"`` is stored as the XOR of its bytes with a prediction computed from other records: of
+its own checkpoint (level 0) or of the checkpoints before it, whose records the manifest's ``"chain"`` lists with
+pieces in the manifest's own chunk table. Every input must resolve to a record of the same dtype and shape, and
+the chain must end: no record may need a level the manifest does not hold.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+from ..errors import PredictionError
+from .records import ChainLevel, ChunkRef, Manifest, Piece, PredictInfo, PredictInput, TensorRecord
+
+#: the kernels this version can compute, by versioned name, with the input roles and scalars each takes
+KERNEL_SIGNATURES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "same-1": (("x0",), ()),
+    "scale-1": (("x0",), ("c",)),
+    "max-1": (("a0", "b1"), ()),
+    "adam-param-1": (("p0", "m1", "v1"), ("decay", "neg_step_size", "bc2_sqrt", "eps")),
+    "adam-sq-1": (("v0", "m0", "m1"), ("b1", "one_minus_b1", "b2", "one_minus_b2")),
+    "sgd-param-1": (("p0", "buf1"), ("neg_lr",)),
+    "sgd-nesterov-1": (("p0", "buf0", "buf1"), ("neg_lr", "momentum", "one_minus_dampening")),
+}
+#: the dtypes predictions are computed in
+PREDICTED_DTYPES = ("float32", "float64")
+DIGEST_LENGTH = 64
+
+
+def check_predict(f: Any, body: Any, at: str, record_dtype: str) -> PredictInfo:
+    """The :class:`PredictInfo` of a record's ``"predict"`` entry (``f``: the schema's field checker)."""
+    body = f.dict(body, at)
+    op = f.str(f.required(body, "op", at), f"{at}.op")
+    if op not in KERNEL_SIGNATURES:
+        f.fail(f"{at}.op", f"is {op[:60]!r}, a prediction this ckptvault cannot compute: upgrade ckptvault")
+    if record_dtype not in PREDICTED_DTYPES:
+        f.fail(f"{at}", f"is on a {record_dtype} record; predictions are only of {', '.join(PREDICTED_DTYPES)}")
+    roles, scalar_names = KERNEL_SIGNATURES[op]
+    inputs = tuple(_input(f, item, f"{at}.inputs[{k}]") for k, item in enumerate(f.list(f.required(body, "inputs", at),
+                                                                                        f"{at}.inputs")))
+    if sorted(i.role for i in inputs) != sorted(roles):
+        f.fail(f"{at}.inputs", f"name roles {sorted(i.role for i in inputs)}; {op} takes {sorted(roles)}")
+    scalars = f.dict(f.required(body, "scalars", at), f"{at}.scalars")
+    if sorted(scalars) != sorted(scalar_names):
+        f.fail(f"{at}.scalars", f"name {sorted(scalars)}; {op} takes {sorted(scalar_names)}")
+    digest = f.str(f.required(body, "digest", at), f"{at}.digest")
+    if len(digest) != DIGEST_LENGTH or any(c not in "0123456789abcdef" for c in digest):
+        f.fail(f"{at}.digest", "is not a BLAKE3 hex digest")
+    block = f.int(f.required(body, "block", at), f"{at}.block", 1)
+    raw = tuple(f.int(b, f"{at}.raw_blocks[{k}]") for k, b in enumerate(f.list(body.get("raw_blocks", []),
+                                                                                  f"{at}.raw_blocks")))
+    return PredictInfo(op, inputs, {name: f.number(scalars[name], f"{at}.scalars.{name}") for name in scalar_names},
+                       digest, block, f.int(f.required(body, "from_step", at), f"{at}.from_step"), raw)
+
+
+def _input(f: Any, item: Any, at: str) -> PredictInput:
+    item = f.list(item, at)
+    if len(item) != 3:
+        f.fail(at, "is not [role, level, path]")
+    return PredictInput(f.str(item[0], f"{at}[0]"), f.int(item[1], f"{at}[1]", 0, 1), f.str(item[2], f"{at}[2]"))
+
+
+def check_chain(f: Any, body: Any, check_record: Callable[[Any, str], TensorRecord]) -> tuple[ChainLevel, ...]:
+    """The manifest's ``"chain"`` levels (``check_record`` checks one record, as for ``"tensors"``)."""
+    levels = []
+    for n, level in enumerate(f.list(body, "chain")):
+        at = f"chain[{n}]"
+        level = f.dict(level, at)
+        records = f.list(f.required(level, "tensors", at), f"{at}.tensors")
+        levels.append(ChainLevel(f.int(f.required(level, "step", at), f"{at}.step"),
+                                 tuple(check_record(r, f"{at}.tensors[{k}]") for k, r in enumerate(records))))
+    return tuple(levels)
+
+
+def check_inputs(f: Any, tensors: tuple[TensorRecord, ...], chain: tuple[ChainLevel, ...], requires: tuple[str, ...]
+                 ) -> None:
+    """Every prediction's inputs resolve to a record of its dtype and shape, at a level the manifest holds; a
+    manifest with predictions declares ``"predicted"`` in ``requires``."""
+    levels = [tensors] + [level.tensors for level in chain]
+    by_path = [{t.path: t for t in records} for records in levels]
+    found = False
+    for n, records in enumerate(levels):
+        where = "tensors" if n == 0 else f"chain[{n - 1}].tensors"
+        for k, record in enumerate(records):
+            if record.predict is None:
+                continue
+            found = True
+            if record.is_lossy:
+                f.fail(f"{where}[{k}].predict", "is on a lossy record")
+            for item in record.predict.inputs:
+                source = by_path[n + item.level].get(item.path) if n + item.level < len(levels) else None
+                if source is None or source.dtype != record.dtype or source.shape != record.shape:
+                    f.fail(f"{where}[{k}].predict.inputs", f"name {item.path!r} {item.level} level(s) back, which the "
+                                                           "manifest does not hold with the record's dtype and shape")
+    if found and "predicted" not in requires:
+        f.fail("requires", "does not name 'predicted', but records are predicted")
+
+
+def build_chain(tensors: tuple[TensorRecord, ...], latest: Manifest | None, add: Callable[[ChunkRef], int]
+                ) -> tuple[ChainLevel, ...]:
+    """The restore chain of a checkpoint whose records are ``tensors``: the records of ``latest`` (and of its own
+    chain) that its predictions read, transitively, with pieces re-indexed by ``add`` into its chunk table."""
+    if latest is None or not any(t.predict is not None for t in tensors):
+        return ()
+    sources = [latest.tensors] + [level.tensors for level in latest.chain]
+    steps = [latest.step] + [level.step for level in latest.chain]
+    by_path = [{t.path: t for t in records} for records in sources]
+    needed: list[set[str]] = [set() for _ in sources]
+    todo = [(0, i.path) for t in tensors if t.predict is not None for i in t.predict.inputs if i.level == 1]
+    while todo:
+        level, path = todo.pop()
+        if path in needed[level]:
+            continue
+        record = by_path[level].get(path)
+        if record is None:
+            raise PredictionError(f"step {latest.step}'s chain lacks {path!r}, which a prediction reads")
+        needed[level].add(path)
+        if record.predict is not None:
+            todo.extend((level + i.level, i.path) for i in record.predict.inputs)
+    chunks = latest.chunks
+    levels = []
+    for level, records in enumerate(sources):
+        if not needed[level]:
+            break
+        kept = tuple(_reindexed(t, chunks, add) for t in records if t.path in needed[level])
+        levels.append(ChainLevel(steps[level], kept))
+    return tuple(levels)
+
+
+def _reindexed(record: TensorRecord, chunks: tuple[ChunkRef, ...], add: Callable[[ChunkRef], int]) -> TensorRecord:
+    pieces = tuple(Piece(add(replace(chunks[p.chunk], new=False)), p.offset, p.length) for p in record.pieces)
+    return replace(record, pieces=pieces)

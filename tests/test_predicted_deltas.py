@@ -1,0 +1,324 @@
+"""Predicted deltas (DeltaOptions(predict=True)): checkpoints one optimizer step apart store weights and moments
+as the XOR with their prediction from the previous checkpoint; every restore is bit-exact."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import ckptvault
+from ckptvault import CheckpointManager, DeltaOptions
+from ckptvault._format.manifest import encode_manifest, manifest_key
+from ckptvault.errors import InvalidArgumentError, PredictionError
+
+
+def _model(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Embedding(200, 32), torch.nn.Linear(32, 64), torch.nn.ReLU(),
+                               torch.nn.Linear(64, 200))
+
+
+def _train(make_opt, steps: int, url, *, scheduler=False, max_chain: int = 8, keyframe_every: int = 50,
+           async_save: bool = True, predict: bool = True, noise: bool = False) -> tuple[dict[int, dict], CheckpointManager]:
+    model = _model()
+    opt = make_opt(model)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 5)) if scheduler else None
+    saved = {}
+    mgr = CheckpointManager(url, async_save=async_save,
+                            delta=DeltaOptions(predict=predict, max_chain=max_chain, keyframe_every=keyframe_every))
+    gen = torch.Generator().manual_seed(1)
+    for step in range(1, steps + 1):
+        x = torch.randint(0, 100, (8, 6), generator=gen)  # rows 100..199 of the embedding get no gradient
+        loss = model(x).logsumexp(-1).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if sched is not None:
+            sched.step()
+        state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step}
+        if sched is not None:
+            state["scheduler"] = sched.state_dict()
+        if noise:  # a large array that changes every step and is no prediction's input: garbage once deleted
+            state["noise"] = torch.randn(400_000, generator=gen)
+        saved[step] = copy.deepcopy(state)
+        mgr.save(step, state)
+    mgr.wait()
+    return saved, mgr
+
+
+def _assert_same(restored, expected, path="") -> None:
+    if isinstance(expected, torch.Tensor):
+        assert isinstance(restored, torch.Tensor), path
+        assert restored.dtype == expected.dtype and torch.equal(restored, expected), path
+    elif isinstance(expected, dict):
+        assert set(restored) == set(expected), path
+        for key in expected:
+            _assert_same(restored[key], expected[key], f"{path}.{key}")
+    elif isinstance(expected, (list, tuple)):
+        assert len(restored) == len(expected), path
+        for k, (a, b) in enumerate(zip(restored, expected)):
+            _assert_same(a, b, f"{path}.{k}")
+    else:
+        assert restored == expected, path
+
+
+def _predicted_paths(mgr: CheckpointManager, step: int) -> set[str]:
+    return {t["path"] for t in mgr.manifest(step)["tensors"] if "predict" in t}
+
+
+def _two_groups_adamw(model):
+    decay = [p for n, p in model.named_parameters() if n.endswith("weight")]
+    rest = [p for n, p in model.named_parameters() if not n.endswith("weight")]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0, "lr": 3e-3}],
+                             lr=1e-3)
+
+
+OPTIMIZERS = {
+    "adamw-groups-scheduler": (_two_groups_adamw, True),
+    "adamw-foreach": (lambda m: torch.optim.AdamW(m.parameters(), lr=2e-3, weight_decay=0.1, foreach=True), False),
+    "adam-no-decay": (lambda m: torch.optim.Adam(m.parameters(), lr=1e-3), True),
+    "adam-l2-decay": (lambda m: torch.optim.Adam(m.parameters(), lr=1e-3, weight_decay=0.01), False),
+    "adam-amsgrad": (lambda m: torch.optim.Adam(m.parameters(), lr=1e-3, amsgrad=True), False),
+    "sgd-momentum": (lambda m: torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-4), True),
+    "sgd-nesterov": (lambda m: torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9, nesterov=True), False),
+}
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_every_supported_optimizer_round_trips_bit_exact_with_predictions(tmp_path, name):
+    make_opt, scheduler = OPTIMIZERS[name]
+    saved, mgr = _train(make_opt, 6, tmp_path / "v", scheduler=scheduler)
+    with mgr:
+        predicted = _predicted_paths(mgr, 6)
+        weights = {f"model.{k}" for k in saved[6]["model"]}
+        assert weights <= predicted, f"weights not predicted: {sorted(weights - predicted)}"
+        paths = [t["path"] for t in mgr.manifest(6)["tensors"]]
+        second = {p for p in paths if p.endswith(("exp_avg_sq", "max_exp_avg_sq"))}
+        assert second <= predicted  # recomputed from the gradient the first moments give
+        first = [p for p in paths if p.endswith(("exp_avg", "momentum_buffer"))]
+        assert first and sum(p in predicted for p in first) >= len(first) / 2  # where beta * old stores less
+        assert len(mgr.manifest(6)["chain"]) == 5
+        assert _predicted_paths(mgr, 1) == set()  # the first checkpoint has nothing to predict from
+        assert mgr.info(6).added_bytes < 0.5 * mgr.info(1).added_bytes
+    with CheckpointManager(tmp_path / "v") as fresh:
+        for step in saved:
+            _assert_same(fresh.restore(step), saved[step])
+
+
+def test_predictions_store_far_less_than_xor_deltas(tmp_path):
+    opt = lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.1)  # noqa: E731
+    saved, predicted = _train(opt, 4, tmp_path / "p")
+    _saved, plain = _train(opt, 4, tmp_path / "x", predict=False)
+    with predicted, plain:
+        assert predicted.info(4).logical_bytes == plain.info(4).logical_bytes
+        assert predicted.info(4).added_bytes < 0.6 * plain.info(4).added_bytes
+        _assert_same(predicted.restore(4), saved[4])
+
+
+def test_synchronous_saves_predict_too(tmp_path):
+    saved, mgr = _train(lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3), 3, tmp_path / "v", async_save=False)
+    with mgr:
+        assert _predicted_paths(mgr, 3)
+        _assert_same(mgr.restore(3), saved[3])
+
+
+def test_an_unsupported_optimizer_falls_back_and_stays_exact(tmp_path):
+    saved, mgr = _train(lambda m: torch.optim.RMSprop(m.parameters(), lr=1e-3, momentum=0.5), 4, tmp_path / "v")
+    with mgr:
+        assert all(not _predicted_paths(mgr, s) for s in saved)
+        assert mgr.manifest(4).get("chain") is None
+        for step in saved:
+            _assert_same(mgr.restore(step), saved[step])
+
+
+def test_the_chain_cap_bounds_every_restore_chain(tmp_path):
+    saved, mgr = _train(lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3), 8, tmp_path / "v", max_chain=2)
+    with mgr:
+        chains = [len(mgr.manifest(s).get("chain", [])) for s in saved]
+        assert chains == [0, 1, 2, 0, 1, 2, 0, 1]
+        keyframes = [s for s in saved if mgr.manifest(s)["keyframe_step"] == s]
+        assert keyframes == [1, 4, 7]  # a chain at the cap is followed by a keyframe
+        for step in saved:
+            _assert_same(mgr.restore(step), saved[step])
+
+
+def test_keyframes_end_chains(tmp_path):
+    saved, mgr = _train(lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3), 7, tmp_path / "v", keyframe_every=3)
+    with mgr:
+        assert [len(mgr.manifest(s).get("chain", [])) for s in saved] == [0, 1, 2, 0, 1, 2, 0]
+        _assert_same(mgr.restore(6), saved[6])
+
+
+def test_pruning_and_gc_of_the_steps_a_checkpoint_is_predicted_from_keep_it_restorable(tmp_path):
+    saved, mgr = _train(lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3), 6, tmp_path / "v", noise=True)
+    with mgr:
+        for step in range(1, 6):
+            mgr.delete(step)
+        _plan, result = mgr.gc(grace=0)
+        assert result is not None and result.bytes_freed > 5 * 1_000_000  # the other steps' noise was collected
+        assert mgr.steps() == [6]
+        assert mgr.verify().ok
+        _assert_same(mgr.restore(6), saved[6])
+
+
+def test_restore_into_live_objects_and_by_keys(tmp_path):
+    saved, mgr = _train(lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3), 4, tmp_path / "v")
+    with mgr:
+        model = _model(seed=5)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        mgr.restore(4, into={"model": model, "optimizer": opt})
+        _assert_same(model.state_dict(), saved[4]["model"])
+        _assert_same(opt.state_dict()["state"], saved[4]["optimizer"]["state"])
+        _assert_same(mgr.restore(4, keys="model.*")["model"], saved[4]["model"])
+
+
+def test_a_prediction_that_differs_fails_the_restore_loudly(tmp_path):
+    saved, mgr = _train(lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3), 3, tmp_path / "v")
+    with mgr:
+        body = mgr.manifest(3)
+        record = next(t for t in body["tensors"] if t.get("predict", {}).get("op") == "adam-param-1")
+        record["predict"]["scalars"]["eps"] *= 2  # a well-formed manifest whose prediction no longer matches
+        mgr.vault.store.put(manifest_key(3), encode_manifest(body))
+        with pytest.raises(PredictionError, match=r"step 3: '.*', stored as the XOR with its prediction \(adam-param-1\) "
+                                                  r"from step 2, does not restore to the bytes it was saved with"):
+            mgr.restore(3)
+        _assert_same(mgr.restore(2), saved[2])  # the step it was predicted from is untouched
+
+
+def test_flush_to_zero_refuses_to_restore_but_saves_fall_back(tmp_path):
+    saved, mgr = _train(lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3), 3, tmp_path / "v", async_save=False)
+    with mgr:
+        torch.set_flush_denormal(True)
+        try:
+            with pytest.raises(PredictionError, match=r"flushes subnormal floats to zero .*set_flush_denormal\(False\)"):
+                mgr.restore(3)
+            mgr.save(4, saved[3])  # synchronous: computed on this thread, so not predicted
+        finally:
+            torch.set_flush_denormal(False)
+        assert not _predicted_paths(mgr, 4)
+        _assert_same(mgr.restore(3), saved[3])
+
+
+def test_a_fresh_process_restores_a_chain_another_process_wrote(tmp_path):
+    script = textwrap.dedent(f"""
+        import sys, torch
+        sys.path.insert(0, {str(__import__('pathlib').Path(__file__).parent)!r})
+        from test_predicted_deltas import _train
+        saved, mgr = _train(lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.1), 5,
+                            {str(tmp_path / 'v')!r}, scheduler=True)
+        mgr.close()
+        torch.save(saved[5], {str(tmp_path / 'expected.pt')!r})
+    """)
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=120)
+    expected = torch.load(tmp_path / "expected.pt", weights_only=True)
+    assert len(ckptvault.CheckpointManager(tmp_path / "v").manifest(5)["chain"]) == 4
+    _assert_same(ckptvault.load(tmp_path / "v", 5), expected)
+
+
+def test_the_manifest_declares_predictions_and_their_chain(tmp_path):
+    _saved, mgr = _train(lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3), 3, tmp_path / "v")
+    with mgr:
+        body = mgr.manifest(3)
+        assert "predicted" in body["requires"]
+        assert [level["step"] for level in body["chain"]] == [2, 1]
+        record = next(t for t in body["tensors"] if t.get("predict", {}).get("op") == "adam-sq-1")
+        assert [i[1] for i in record["predict"]["inputs"]] == [1, 1, 0]
+        json.dumps(body)  # plain JSON
+
+
+@pytest.mark.parametrize(("options", "error", "message"), [
+    ({"predict": "yes"}, InvalidArgumentError, r"predict must be true/false or Mapping, got .yes."),
+    ({"predict": {"optimizer": 3}}, InvalidArgumentError, "dict of optimizer key path -> model key path"),
+    ({"max_chain": 0}, InvalidArgumentError, "max_chain must be >= 1, got 0"),
+])
+def test_bad_prediction_options_are_refused(options, error, message):
+    with pytest.raises(error, match=message):
+        DeltaOptions(**options)
+
+
+def test_naming_the_model_subtree_pairs_it(tmp_path):
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ema = copy.deepcopy(model.state_dict())  # same shapes, before the model in state order: must not be paired
+    saved = {}
+    with CheckpointManager(tmp_path / "v", delta=DeltaOptions(predict={"optimizer": "model"})) as mgr:
+        for step in (1, 2, 3):
+            model(torch.randint(0, 100, (4, 3))).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            saved[step] = copy.deepcopy({"ema": ema, "model": model.state_dict(), "optimizer": opt.state_dict()})
+            mgr.save(step, saved[step])
+        mgr.wait()
+        predicted = _predicted_paths(mgr, 3)
+        assert {f"model.{k}" for k in saved[3]["model"]} <= predicted
+        assert not any(p.startswith("ema.") for p in predicted)
+        _assert_same(mgr.restore(3), saved[3])
+
+
+def test_automatic_pairing_picks_the_array_the_optimizer_updates_among_lookalikes(tmp_path):
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    frozen = copy.deepcopy(model.state_dict())  # same shapes, earlier in state order, never updated
+    saved = {}
+    with CheckpointManager(tmp_path / "v", delta=DeltaOptions(predict=True)) as mgr:
+        for step in (1, 2, 3):
+            model(torch.randint(0, 100, (4, 3))).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            saved[step] = copy.deepcopy({"a_frozen": frozen, "model": model.state_dict(), "optimizer": opt.state_dict()})
+            mgr.save(step, saved[step])
+        mgr.wait()
+        params = [t for t in mgr.manifest(3)["tensors"] if t.get("predict", {}).get("op") == "adam-param-1"]
+        assert sorted(t["path"] for t in params) == sorted(f"model.{k}" for k in saved[3]["model"])
+        assert all(i[2].startswith("model.") for t in params for i in t["predict"]["inputs"] if i[0] == "p0")
+        _assert_same(mgr.restore(3), saved[3])
+
+
+def test_the_readme_every_step_recipe_runs_and_predicts(tmp_path):
+    readme = (__import__("pathlib").Path(__file__).resolve().parent.parent / "README.md").read_text()
+    found = re.search(r"<!-- every-step-recipe[^\n]*-->\n```python\n(.*?)\n```\n", readme, re.S)
+    assert found, "README.md has no code block marked <!-- every-step-recipe -->"
+    subprocess.run([sys.executable, "-c", found.group(1)], cwd=tmp_path, check=True, timeout=120,
+                   env={**os.environ, "OMP_NUM_THREADS": "1"})
+    with CheckpointManager(tmp_path / "every-step") as mgr:
+        assert mgr.steps() == list(range(1, 41))
+        chains = [len(mgr.manifest(s).get("chain", [])) for s in mgr.steps()]
+        assert chains == list(range(20)) * 2  # keyframes at 1 and 21, each chain up to max_chain=19
+        assert {"model.weight", "model.bias", "optimizer.state.0.exp_avg_sq"} <= _predicted_paths(mgr, 40)
+
+
+
+def test_retention_that_keeps_only_the_latest_keeps_it_restorable(tmp_path):
+    saved, mgr = _train(lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3), 5, tmp_path / "v", noise=True)
+    with mgr:
+        plan, result = mgr.prune(ckptvault.KeepLast(1))
+        assert result is not None and mgr.steps() == [5]
+        _plan, collected = mgr.gc(grace=0)
+        assert collected is not None and collected.bytes_freed > 0
+        _assert_same(mgr.restore(5), saved[5])
+
+
+def test_a_distributed_manager_refuses_predictions():
+    script = textwrap.dedent("""
+        import socket, torch.distributed as dist, ckptvault, tempfile
+        from ckptvault.errors import InvalidArgumentError
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+        try:
+            ckptvault.CheckpointManager(tempfile.mkdtemp(), delta=ckptvault.DeltaOptions(predict=True))
+        except InvalidArgumentError as exc:
+            print("refused:", exc)
+        finally:
+            dist.destroy_process_group()
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True).stdout
+    assert "refused: DeltaOptions(predict=...) is for single-process saves" in out
