@@ -8,8 +8,9 @@ One step apart (W1 pretraining, W2 fine-tuning; ``workloads_incremental.py``): a
 save of the state after ``--warmup`` steps (the keyframe), then of the state one step later, with
 ``DeltaOptions(predict=True)`` and without; the later checkpoint's added bytes against torch.save of that state,
 broken down by kind (weights, exp_avg, exp_avg_sq, other; each new chunk's stored bytes attributed to the
-records in it by their share of its raw bytes). Then both checkpoints are restored in a fresh manager and checked
-bit for bit: a predicted checkpoint's restore time against the keyframe's.
+records in it by their share of its raw bytes). Then both checkpoints are restored in a fresh manager, the page
+cache dropped first (as root), and checked bit for bit: a predicted checkpoint's restore time against the
+keyframe's.
 
 Every step (the demo's GPT, AdamW with warmup-cosine and gradient clipping): ``--steps`` training steps with no
 checkpoints, then the same run checkpointed after every step asynchronously with predictions (and without),
@@ -38,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import workloads_incremental as wi  # noqa: E402
 from ckptvault import CheckpointManager, DeltaOptions  # noqa: E402
 from ckptvault.demo.train import TrainConfig, Trainer  # noqa: E402
-from common import fresh_dir, machine  # noqa: E402
+from common import drop_caches, fresh_dir, machine  # noqa: E402
 from workloads import OUT_DIR, assert_same_tensors  # noqa: E402
 
 log = logging.getLogger("bench_predicted")
@@ -110,6 +111,7 @@ def restore_times(path: Path, states: dict[int, Any], runs: int) -> dict[str, fl
     for _ in range(runs):
         for step in (0, 1):
             with CheckpointManager(path) as mgr:
+                drop_caches()  # read from disk, as every restore in BENCHMARKS.md (needs root; else warm)
                 start = time.perf_counter()
                 restored = mgr.restore(step)
                 times[step].append(time.perf_counter() - start)

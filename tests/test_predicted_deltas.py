@@ -322,3 +322,12 @@ def test_a_distributed_manager_refuses_predictions():
     """)
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True).stdout
     assert "refused: DeltaOptions(predict=...) is for single-process saves" in out
+
+
+def test_a_manifest_with_a_chain_encodes_as_its_json_body_does(tmp_path):
+    _saved, mgr = _train(lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3), 4, tmp_path / "v")
+    with mgr:
+        manifest = mgr.vault.read_manifest(4)
+        assert len(manifest.chain) == 3
+        assert encode_manifest(manifest) == encode_manifest(manifest.to_json())  # the chain's text is spliced in
+        assert mgr.vault.store.get(manifest_key(4)) == encode_manifest(manifest)

@@ -39,10 +39,22 @@ def step_of_key(key: str) -> int | None:
 def encode_manifest(body: dict[str, Any] | Manifest) -> bytes:
     """Serialise a manifest (or a manifest body, as JSON) with its checksum."""
     if isinstance(body, Manifest):
-        body = body.to_json()
-    data = json.dumps(body, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
+        data = _manifest_text(body).encode()
+    else:
+        data = json.dumps(body, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
     digest = blake3.blake3(data).hexdigest().encode()
     return b"".join((_PREFIX, digest, _MIDDLE, data, b"}"))
+
+
+def _manifest_text(manifest: Manifest) -> str:
+    """``json.dumps`` of ``manifest.to_json()``, its restore chain (the last field) spliced in from each level's
+    text made once (a chain passes from manifest to manifest and grows with it)."""
+    body = manifest.to_json()
+    if not manifest.chain:
+        return json.dumps(body, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    del body["chain"]
+    head = json.dumps(body, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    return f'{head[:-1]},"chain":[{",".join(level.json_text for level in manifest.chain)}]}}'
 
 
 def decode_manifest(data: bytes, where: str, step: int | None = None,

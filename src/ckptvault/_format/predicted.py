@@ -13,7 +13,7 @@ from dataclasses import replace
 from typing import Any
 
 from ..errors import PredictionError
-from .records import ChainLevel, ChunkRef, Manifest, Piece, PredictInfo, PredictInput, TensorRecord
+from .records import ChainLevel, ChunkRef, Manifest, PredictInfo, PredictInput, TensorRecord
 
 #: the kernels this version can compute, by versioned name, with the input roles and scalars each takes
 KERNEL_SIGNATURES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
@@ -99,37 +99,30 @@ def check_inputs(f: Any, tensors: tuple[TensorRecord, ...], chain: tuple[ChainLe
         f.fail("requires", "does not name 'predicted', but records are predicted")
 
 
-def build_chain(tensors: tuple[TensorRecord, ...], latest: Manifest | None, add: Callable[[ChunkRef], int]
-                ) -> tuple[ChainLevel, ...]:
-    """The restore chain of a checkpoint whose records are ``tensors``: the records of ``latest`` (and of its own
-    chain) that its predictions read, transitively, with pieces re-indexed by ``add`` into its chunk table."""
+def build_chain(tensors: tuple[TensorRecord, ...], latest: Manifest | None) -> tuple[ChainLevel, ...]:
+    """The restore chain of a checkpoint whose records are ``tensors``, predicted from ``latest``: the records of
+    ``latest`` its predictions read (with those they read in turn at the same level), then ``latest``'s own chain
+    as it is. The pieces keep ``latest``'s chunk indices: the new manifest's chunk table starts with ``latest``'s
+    (:func:`chain_table_prefix`), so levels pass from manifest to manifest unchanged."""
     if latest is None or not any(t.predict is not None for t in tensors):
         return ()
-    sources = [latest.tensors] + [level.tensors for level in latest.chain]
-    steps = [latest.step] + [level.step for level in latest.chain]
-    by_path = [{t.path: t for t in records} for records in sources]
-    needed: list[set[str]] = [set() for _ in sources]
-    todo = [(0, i.path) for t in tensors if t.predict is not None for i in t.predict.inputs if i.level == 1]
+    by_path = {t.path: t for t in latest.tensors}
+    needed: set[str] = set()
+    todo = [i.path for t in tensors if t.predict is not None for i in t.predict.inputs if i.level == 1]
     while todo:
-        level, path = todo.pop()
-        if path in needed[level]:
+        path = todo.pop()
+        if path in needed:
             continue
-        record = by_path[level].get(path)
+        record = by_path.get(path)
         if record is None:
-            raise PredictionError(f"step {latest.step}'s chain lacks {path!r}, which a prediction reads")
-        needed[level].add(path)
+            raise PredictionError(f"step {latest.step} lacks {path!r}, which a prediction reads")
+        needed.add(path)
         if record.predict is not None:
-            todo.extend((level + i.level, i.path) for i in record.predict.inputs)
-    chunks = latest.chunks
-    levels = []
-    for level, records in enumerate(sources):
-        if not needed[level]:
-            break
-        kept = tuple(_reindexed(t, chunks, add) for t in records if t.path in needed[level])
-        levels.append(ChainLevel(steps[level], kept))
-    return tuple(levels)
+            todo.extend(i.path for i in record.predict.inputs if i.level == 0)
+    level = ChainLevel(latest.step, tuple(t for t in latest.tensors if t.path in needed))
+    return (level, *latest.chain)
 
 
-def _reindexed(record: TensorRecord, chunks: tuple[ChunkRef, ...], add: Callable[[ChunkRef], int]) -> TensorRecord:
-    pieces = tuple(Piece(add(replace(chunks[p.chunk], new=False)), p.offset, p.length) for p in record.pieces)
-    return replace(record, pieces=pieces)
+def chain_table_prefix(latest: Manifest) -> list[ChunkRef]:
+    """The chunks a manifest predicted from ``latest`` lists first, in ``latest``'s order (none of them new)."""
+    return [replace(c, new=False) if c.new else c for c in latest.chunks]

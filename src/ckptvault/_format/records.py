@@ -7,6 +7,8 @@ parsed manifest reproduces its bytes. Code above ``_format/`` reads manifests on
 
 from __future__ import annotations
 
+import functools
+import json
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -182,7 +184,18 @@ class ChainLevel:
     tensors: tuple[TensorRecord, ...]
 
     def to_json(self) -> dict[str, Any]:
+        """The level as JSON, made once: a level passes unchanged into every later manifest of its chain (do not
+        modify the result)."""
+        return self._json
+
+    @functools.cached_property
+    def _json(self) -> dict[str, Any]:
         return {"step": self.step, "tensors": [t.to_json() for t in self.tensors]}
+
+    @functools.cached_property
+    def json_text(self) -> str:
+        """The level as the manifest writes it (``_format/manifest.py``), made once."""
+        return json.dumps(self._json, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
 
 
 @dataclass(frozen=True)
