@@ -20,7 +20,7 @@ SHARED = {"errors", "_argcheck", "_version", "_feedback"}
 LOWER_LAYERS = {"_codecs": set(), "stores": set(), "_format": {"_codecs"}, "testing": {"stores"}}
 #: the pipelines, and the user-facing layer above them that they never import ("" is the package's __init__)
 PIPELINES = ("_save", "_delta", "_restore", "_maintenance", "_reports", "_vault")
-USER_FACING = {"", "manager", "cli", "demo", "distributed"}
+USER_FACING = {"", "manager", "cli", "demo", "distributed", "interop", "integrations"}
 
 
 def _module(path: Path) -> str:

@@ -199,4 +199,5 @@ def test_the_package_root_holds_about_a_dozen_modules_and_internals_are_undersco
     public = {"__init__", "__main__", "errors", "handle", "info", "manager", "options", "rng", "rules"}
     assert {m for m in modules if not m.startswith("_")} <= public
     packages = {p.name for p in root.iterdir() if (p / "__init__.py").exists()}
-    assert {p for p in packages if not p.startswith("_")} == {"cli", "demo", "distributed", "stores", "testing"}
+    assert {p for p in packages if not p.startswith("_")} == {"cli", "demo", "distributed", "integrations", "interop", "stores",
+                                                                   "testing"}

@@ -39,6 +39,7 @@ from ._save.preemption import Preempted
 from ._version import __version__
 from .handle import SaveHandle
 from .info import CheckpointInfo, TensorInfo
+from .interop import ExportResult, export_checkpoint, import_checkpoint
 from .manager import CheckpointManager
 from .options import AsyncOptions, DeltaOptions, DistributedOptions, LossySafety
 from .rng import rng_state, set_rng_state
@@ -47,11 +48,11 @@ from .stores import LocalOptions, LocalStore, MemoryStore, ObjectInfo, S3Options
 
 __all__ = [
     "AsyncOptions", "CheckpointInfo", "CheckpointManager", "CodecRules", "CopyPlan", "CopyResult", "DeltaOptions",
-    "DistributedOptions", "GCPlan", "GCResult", "KeepBest", "KeepDaily", "KeepEvery", "KeepIf", "KeepInterval",
+    "DistributedOptions", "ExportResult", "GCPlan", "GCResult", "KeepBest", "KeepDaily", "KeepEvery", "KeepIf", "KeepInterval",
     "KeepLast", "KeepWeekly", "LocalOptions", "LocalStore", "LossySafety", "MemoryStore", "ObjectInfo", "Policy",
     "Preempted", "PrunePlan", "PruneResult", "RestoreReport", "RestoredObject", "Retention", "RetentionInfo", "S3Options",
     "SaveHandle", "StorageOptions", "Store", "TensorInfo", "VerifyReport", "__version__", "copy_checkpoints", "errors",
-    "load", "open_store", "rng_state", "save", "set_rng_state"
+    "export_checkpoint", "import_checkpoint", "load", "open_store", "rng_state", "save", "set_rng_state"
 ]
 
 _SAVE_KEYWORDS = set(inspect.signature(CheckpointManager.save).parameters) - {"self", "step", "state"}

@@ -109,6 +109,10 @@ class PinNotFoundError(VaultError, LookupError):
                          f"mgr.pin(step, {tag!r}) or `ckptvault pin URL STEP {tag}`; `ckptvault pins URL` lists them")
 
 
+class SourceNotFoundError(VaultError, FileNotFoundError):
+    """An import source (a file or folder to read a checkpoint from, outside any vault) does not exist."""
+
+
 class PickleNotAllowedError(VaultError):
     """Loading a checkpoint that holds pickled values requires allow_pickle=True."""
 
@@ -213,6 +217,11 @@ class UnmatchedRuleWarning(VaultError, UserWarning):
     anything is written: ``warnings.filterwarnings("error", category=UnmatchedRuleWarning)``."""
 
 
+class CheckpointPathNotFoundError(VaultError, FileNotFoundError):
+    """A training framework's checkpoint path (Lightning's ``epoch=0-step=10.ckpt``) names no committed checkpoint
+    of the vault an integration stores into (``ckptvault.integrations``)."""
+
+
 class MaintenanceRefusedError(VaultError):
     """prune or gc refused to run: some manifests cannot be read, so what they reference is unknown.
 
@@ -236,3 +245,10 @@ def _short_list(values: list[int], limit: int = 8) -> str:
     head = ", ".join(map(str, values[: limit // 2]))
     tail = ", ".join(map(str, values[-limit // 2 :]))
     return f"{head}, ..., {tail}"
+
+
+class PredictionError(CorruptDataError):
+    """A predicted array (stored as the XOR with its prediction from the step before) did not restore to the bytes
+    it was saved with (its digest differs), or cannot be computed exactly on this thread. Its chunks were intact:
+    the prediction differed. As after any restore that fails part way, tensors given as ``into=`` targets then hold
+    undefined bytes; a restore into new tensors returns nothing."""

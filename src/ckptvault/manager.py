@@ -5,13 +5,15 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import sys
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from ._argcheck import check_kind, check_progress
 from ._codecs import DEFAULT_CODEC
-from ._codecs.planes import load_kernels_in_background
+from ._codecs.planes import load_if_worth_it, wait_for_kernel_loading
 from ._delta.policy import DeltaPolicy
+from ._delta.predict import Predictor
 from ._feedback import reissue_deferred
 from ._format.manifest import manifest_key
 from ._format.schema import MAX_STEP
@@ -34,6 +36,13 @@ from .stores import StorageOptions, Store
 log = logging.getLogger(__name__)
 
 Progress = Callable[[int], None]
+
+
+def _distributed_running() -> bool:
+    """Whether torch.distributed is initialised in this process, asked without importing anything: a job
+    initialises it (``init_process_group``) through ``torch.distributed``, so that module is loaded by then."""
+    dist = sys.modules.get("torch.distributed")
+    return dist is not None and dist.is_available() and dist.is_initialized()
 
 
 class CheckpointManager(MaintenanceMixin):
@@ -97,14 +106,15 @@ class CheckpointManager(MaintenanceMixin):
         self._chunk_size = chunk_size
         self._codec_rules = preset_rules(codec_rules) if isinstance(codec_rules, str) else codec_rules
         CodecRules(self._codec_rules, DEFAULT_CODEC if codec is None else codec)  # validate early
-        self.delta_policy = DeltaPolicy(incremental, delta.keyframe_every, delta.keyframe_growth)
+        self.delta_policy = DeltaPolicy(incremental, delta.keyframe_every, delta.keyframe_growth,
+                                        None if delta.predict is False else delta.max_chain)
         self.retention = Retention.coerce(retention)
         check_kind("exclusive", exclusive, bool)
         self.exclusive = exclusive
         self._preemption: PreemptionHandler | None = None
         self._saver = Saver(self.vault, self.delta_policy, async_save=async_save, async_options=async_options,
-                            after_commit=self._after_commit, safety=lossy_safety, cache_keyframe=delta.cache_keyframe)
-        self._loading_kernels = load_kernels_in_background()  # the first save would otherwise wait for numba to load
+                            after_commit=self._after_commit, safety=lossy_safety, cache_keyframe=delta.cache_keyframe,
+                            predictor=_predictor(delta))
         self._collective = self._join_job(distributed, async_save, incremental, delta, async_options, lossy_safety)
         self._closed = False
         self._rules_checked = False  # the first save warns about codec_rules patterns that match no tensor
@@ -114,12 +124,16 @@ class CheckpointManager(MaintenanceMixin):
         """The collective part of this manager in a torch.distributed job (``distributed/_collective.py``), or None."""
         check_kind("distributed", options, DistributedOptions, type(None))
         options = options or DistributedOptions()
-        if options.enabled is False:
-            return None
+        if options.enabled is False or (options.enabled is None and not _distributed_running()):
+            return None  # before importing the collective part: it imports torch.distributed.checkpoint (~1 s)
         from .distributed._collective import Collective, SaveSettings, wanted
 
         if not wanted(options):
             return None
+        if delta.predict is not False:
+            raise InvalidArgumentError("DeltaOptions(predict=...) is for single-process saves; in a torch.distributed "
+                                       "job pass distributed=DistributedOptions(enabled=False) to save each process "
+                                       "alone, or drop predict")
         settings = SaveSettings(self._codec, self._codec_rules, self._chunk_size, incremental, delta, async_save,
                                 async_options.on_busy, lossy_safety)
         return Collective(self.vault, options, settings, self._after_commit)
@@ -191,6 +205,7 @@ class CheckpointManager(MaintenanceMixin):
         return handle
 
     def _after_commit(self, step: int) -> None:
+        load_if_worth_it()  # numba's byte-plane kernels, once this process has split enough bytes (planes.LOAD_AFTER)
         if self.retention is not None:  # only now that the checkpoint is durable; exclusive: DESIGN G6
             apply_retention(self.vault, self.retention, step, exclusive=self.exclusive)
 
@@ -283,11 +298,14 @@ class CheckpointManager(MaintenanceMixin):
             manifest = self.vault.read_manifest(resolved)
             return self._collective.restore(manifest, into, keys, strict, allow_pickle)
         manifest = self.vault.read_manifest(self._resolve(step))
-        if into is not None:
-            if has_live_objects(into):
-                return restore_live(self.vault, manifest, into, strict, allow_pickle, progress)
-            return restore_into(self.vault, manifest, into, strict, progress)
-        return restore_tree(self.vault, manifest, keys, allow_pickle, progress)
+        try:
+            if into is not None:
+                if has_live_objects(into):
+                    return restore_live(self.vault, manifest, into, strict, allow_pickle, progress)
+                return restore_into(self.vault, manifest, into, strict, progress)
+            return restore_tree(self.vault, manifest, keys, allow_pickle, progress)
+        finally:
+            load_if_worth_it()  # as after a commit: once this process has joined enough bytes (planes.LOAD_AFTER)
 
     # -- maintenance -------------------------------------------------------
     def delete(self, step: int) -> None:
@@ -344,8 +362,7 @@ class CheckpointManager(MaintenanceMixin):
                     if self._collective is not None:
                         self._collective.close()
         finally:
-            if self._loading_kernels is not None:
-                self._loading_kernels.join()  # not left importing numba while the interpreter exits
+            wait_for_kernel_loading()  # not left importing numba while the interpreter exits (planes.LOAD_AFTER)
             self.vault.close()
             reissue_deferred()
             self._end_preemption()
@@ -406,3 +423,10 @@ class CheckpointManager(MaintenanceMixin):
 
     def __repr__(self) -> str:
         return f"CheckpointManager({self.url!r})"
+
+
+def _predictor(delta: DeltaOptions) -> Predictor | None:
+    """The saver's predictor when ``delta.predict`` asks for predicted deltas."""
+    if delta.predict is False:
+        return None
+    return Predictor(None if delta.predict is True else dict(delta.predict), delta.max_chain)

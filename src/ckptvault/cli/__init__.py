@@ -15,7 +15,9 @@ from .copy import cp
 from .demo import demo
 from .diff import diff
 from .inspect import du, ls, show
+from .interop import export_command, import_command
 from .maintenance import COMMANDS as MAINTENANCE_COMMANDS
+from .plot import plot
 from .presets import presets
 from .remove import rm
 from .verify import verify
@@ -33,6 +35,7 @@ Examples:
   ckptvault show ./ckpts 200 -k 'model.*'   tensors of step 200 under "model"
   ckptvault verify ./ckpts                  read and check every chunk
   ckptvault du ./ckpts                      logical vs stored bytes, dedup and compression savings
+  ckptvault plot ./ckpts -o ckpts.png       a PNG of storage over steps vs torch.save, and metrics
   ckptvault diff ./ckpts 100 200            what changed per tensor between two steps, and what it cost
   ckptvault rm ./ckpts 100 200              delete two checkpoints (then `ckptvault gc`)
   ckptvault prune ./ckpts --keep-last 5     keep the 5 newest (+ latest, pinned); then `ckptvault gc`
@@ -40,6 +43,8 @@ Examples:
   ckptvault pins ./ckpts                    pinned checkpoints by tag (`ckptvault pin ./ckpts 200 best`)
   ckptvault cp ./ckpts s3://bucket/run1     copy to object storage, sending only missing chunks
   ckptvault ls ./ckpts --json | jq '.checkpoints[].step'
+  ckptvault export ./ckpts 200 w.pt         step 200 as a torch file (w.safetensors: safetensors; -k 'model.*')
+  ckptvault import ./hf ./ckpts --step 0    a Hugging Face folder (or a DCP folder, a torch or safetensors file)
   ckptvault presets                         named codec rule sets (lossy compression), e.g. moments-compact
   ckptvault demo                            train a small GPT into ./demo-vault, restore it, compare with torch.save
 
@@ -74,5 +79,8 @@ main.add_command(demo)
 main.add_command(diff)
 main.add_command(presets)
 main.add_command(cp)
+main.add_command(export_command)
+main.add_command(import_command)
+main.add_command(plot)
 for _command in MAINTENANCE_COMMANDS:  # prune, gc, pin, unpin, pins
     main.add_command(_command)
