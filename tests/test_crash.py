@@ -32,7 +32,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+import torch
 
+import ckptvault
 from ckptvault import CheckpointManager
 from ckptvault._format.chunk_object import chunk_key
 from helpers.statedigest import state_digest
@@ -355,3 +357,19 @@ def test_kill_standalone_saver_process(tmp_path: Path) -> None:
     campaign = Campaign(vault, seed, random.Random(seed))
     check_against_log(campaign, read_log(path), f"standalone saver, kill +{delay:.4f}s")
     assert len(campaign.expected) >= 2
+
+
+def test_folders_a_put_creates_are_fsynced_into_their_parents(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A first save makes the vault folder and manifests/ outside any write batch: each new folder's name is made
+    durable in its parent (fsync of the parent), as the manifest inside it is (DESIGN M1)."""
+    import ckptvault.stores.local as local
+
+    synced: list[Path] = []
+    real = local._fsync_dir
+    monkeypatch.setattr(local, "_fsync_dir", lambda path: (synced.append(Path(path)), real(path))[1])
+    root = tmp_path / "deep" / "vault"
+    ckptvault.save({"w": torch.ones(4)}, root, step=1)
+    assert tmp_path in synced and root.parent in synced  # "deep" and "vault" were made by the first put
+    assert root in synced  # manifests/ (and vault.json) named in the vault folder
+    assert root / "manifests" in synced  # the manifest named in manifests/
+    assert ckptvault.load(root, 1)["w"].tolist() == [1.0] * 4

@@ -366,11 +366,22 @@ class LocalStore(Store):
         if stat.S_ISREG(st.st_mode) or not inside:
             yield key, st
 
-    def _ensure_dir(self, path: Path) -> None:
+    def _ensure_dir(self, path: Path, durable: bool = False) -> None:
+        """Make folder ``path`` (and its parents). ``durable``: also fsync the parent of each folder this made,
+        so the new folders' names survive a crash as the object put into them does (a write batch's ``syncfs``
+        covers the folders its chunks go into)."""
         if path in self._made_dirs:
             return
         with _classified(str(path)):
+            missing = []
+            if durable:
+                folder = path
+                while not folder.exists() and folder.parent != folder:
+                    missing.append(folder)
+                    folder = folder.parent
             path.mkdir(parents=True, exist_ok=True)
+            for made in reversed(missing):
+                _fsync_dir(made.parent)
         self._made_dirs.add(path)
 
     def write_unsynced(self, parts: list[Any], final: Path) -> Path:
@@ -457,7 +468,7 @@ class LocalStore(Store):
         with _classified(key):
             self._ready()
             self._check_folder(key, final)
-        self._ensure_dir(final.parent)
+        self._ensure_dir(final.parent, durable=True)
         tmp = self._write_temp(data, final)
         try:
             with _classified(str(final)):
@@ -471,7 +482,7 @@ class LocalStore(Store):
         if self.exists(key):
             return False
         final = self._path(key)
-        self._ensure_dir(final.parent)
+        self._ensure_dir(final.parent, durable=True)
         tmp = self._write_temp(data, final)
         try:
             with _classified(str(final)):  # link(2) can fail with ENOSPC too (tmpfs counts links against inodes)
