@@ -39,6 +39,15 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning",  # Lightning's ad
                                         "ignore:.*isinstance.treespec, LeafSpec.*")
 
 
+@pytest.fixture(autouse=True)
+def torch_determinism_restored() -> Any:
+    """Trainer(deterministic=True) turns on torch.use_deterministic_algorithms for the whole process; later tests
+    (torch.empty of every dtype) must not inherit it."""
+    enabled, warn_only = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    yield
+    torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
+
+
 @pytest.fixture(params=["local", "fsspec"])
 def vault_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     """A local vault, and one behind an fsspec URL (fsspec's in-memory file system)."""
