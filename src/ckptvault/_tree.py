@@ -31,6 +31,7 @@ from __future__ import annotations
 import base64
 import collections
 import pickle
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,6 +58,18 @@ class Leaf:
 
 def join_path(prefix: str, key: object) -> str:
     return f"{prefix}.{key}" if prefix else str(key)
+
+
+def array_leaves(value: Any, path: str = "") -> Iterator[tuple[str, Any]]:
+    """(key path, leaf) of every tensor and ndarray in a nested dict/list/tuple state, paths as manifests join them."""
+    if isinstance(value, (torch.Tensor, np.ndarray)):
+        yield path, value
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            yield from array_leaves(v, join_path(path, k))
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            yield from array_leaves(v, join_path(path, i))
 
 
 class Flattener:

@@ -429,4 +429,4 @@ def _predictor(delta: DeltaOptions) -> Predictor | None:
     """The saver's predictor when ``delta.predict`` asks for predicted deltas."""
     if delta.predict is False:
         return None
-    return Predictor(None if delta.predict is True else dict(delta.predict), delta.max_chain)
+    return Predictor(None if delta.predict is True else dict(delta.predict))  # the chain cap: delta_policy

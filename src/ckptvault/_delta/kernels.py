@@ -176,6 +176,17 @@ def check_ieee() -> None:
                               "torch.set_flush_denormal(False) before saving or restoring")
 
 
+#: the numpy dtype of each record dtype predictions are computed in (``_format.predicted.PREDICTED_DTYPES``)
+NUMPY_DTYPES: dict[str, np.dtype] = {"float32": np.dtype(np.float32), "float64": np.dtype(np.float64)}
+
+
+def flat_array(buffer: memoryview, dtype: str) -> np.ndarray:
+    """A record's bytes as a flat array of its ``dtype`` if predictions compute in it, else of bytes."""
+    numeric = NUMPY_DTYPES.get(dtype)
+    flat = np.frombuffer(buffer, dtype=np.uint8)
+    return flat if numeric is None else flat.view(numeric)
+
+
 def digest(array: np.ndarray) -> str:
     """BLAKE3 hex digest of an array's bytes (as a chunk is named), on several threads for a large one."""
     data = array.view(np.uint8).data

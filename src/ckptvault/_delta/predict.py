@@ -20,10 +20,10 @@ from typing import Any
 import numpy as np
 import zstandard
 
-from .._format.records import Manifest, PredictInfo, PredictInput, TensorRecord
+from .._format.records import Manifest, PredictInfo, PredictInput
 from .._save.snapshot import ArrayRecord, Snapshot
 from ..errors import PredictionError
-from .kernels import check_ieee, digest, predict, xor_prediction
+from .kernels import check_ieee, digest, flat_array, predict, xor_prediction
 from .optimizers import ParamSlot, find_slots
 
 log = logging.getLogger(__name__)
@@ -58,7 +58,6 @@ class Predictor:
     """Predicts a save's arrays from the previous save's (``DeltaOptions.predict``); one per saver."""
 
     pairs: Mapping[str, str] | None = None
-    max_chain: int = 4
     _kept: _Kept | None = None
     _pending: tuple[int, list[memoryview], dict[tuple[str, int], ParamSlot], list[ArrayRecord]] | None = None
     _buffers: dict[str, np.ndarray] = field(default_factory=dict)
@@ -72,21 +71,18 @@ class Predictor:
         kept = self._kept
         if kept is None or latest is None or latest.step != kept.step or latest.time != kept.time:
             return snapshot
-        if len(latest.chain) + 1 > self.max_chain:
-            log.info("step %d: not predicted, the restore chain is at its cap of %d", step, self.max_chain)
-            return snapshot
         try:
             check_ieee()
         except PredictionError as exc:
             log.warning("step %d is saved without predictions: %s", step, exc)
             return snapshot
-        plans = _plans(snapshot, slots, kept, latest)
-        return self._residuals(snapshot, plans, kept, latest.step, block, pool) if plans else snapshot
+        current = {r.path: flat_array(snapshot.views[i], r.dtype) for i, r in enumerate(snapshot.records)}
+        plans = _plans(snapshot, slots, kept, latest, current)
+        return self._residuals(snapshot, plans, kept, current, latest.step, block, pool) if plans else snapshot
 
-    def _residuals(self, snapshot: Snapshot, plans: list[_Plan], kept: _Kept, from_step: int, block: int,
-                   pool: ThreadPoolExecutor | None) -> Snapshot:
+    def _residuals(self, snapshot: Snapshot, plans: list[_Plan], kept: _Kept, current: dict[str, np.ndarray],
+                   from_step: int, block: int, pool: ThreadPoolExecutor | None) -> Snapshot:
         records, views = list(snapshot.records), list(snapshot.views)
-        current = {r.path: _array(snapshot.views[i], r) for i, r in enumerate(snapshot.records)}
         last_read = {i.path: n for n, plan in enumerate(plans) for i in plan.inputs if i.level == 1}
         for n, plan in enumerate(plans):
             record = records[plan.index]
@@ -133,7 +129,7 @@ class Predictor:
         old = self._kept.arrays if self._kept is not None else {}
         arrays = {}
         for path in wanted:
-            source = _array(views[index[path]], records[index[path]])
+            source = flat_array(views[index[path]], records[index[path]].dtype)
             target = old.get(path)
             if target is None or target.shape != source.shape or target.dtype != source.dtype:
                 target = np.empty_like(source)
@@ -145,13 +141,8 @@ class Predictor:
         self._kept, self._pending = None, None
 
 
-def _array(view: memoryview, record: ArrayRecord | TensorRecord) -> np.ndarray:
-    """A record's bytes as a flat array of its dtype (float32/float64), or of bytes for any other dtype."""
-    dtype = {"float32": np.float32, "float64": np.float64}.get(record.dtype, np.uint8)
-    return np.frombuffer(view, dtype=dtype)
-
-
-def _plans(snapshot: Snapshot, slots: dict[tuple[str, int], ParamSlot], kept: _Kept, latest: Manifest) -> list[_Plan]:
+def _plans(snapshot: Snapshot, slots: dict[tuple[str, int], ParamSlot], kept: _Kept, latest: Manifest,
+           current: dict[str, np.ndarray]) -> list[_Plan]:
     """The predictions to try, per parameter: second moments, first moments, AMSGrad maxima, then the parameter
     (which reads its step's moments; :meth:`Predictor._residuals` relies on this order to reuse kept arrays)."""
     records = snapshot.records
@@ -165,7 +156,6 @@ def _plans(snapshot: Snapshot, slots: dict[tuple[str, int], ParamSlot], kept: _K
 
     by_path = {r.path: r for r in records}
     index = {r.path: i for i, r in enumerate(records)}
-    current = {r.path: _array(snapshot.views[i], r) for i, r in enumerate(records)}
     plans: list[_Plan] = []
     chosen: set[str] = set()
     for key, slot in slots.items():

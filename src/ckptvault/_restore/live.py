@@ -30,14 +30,13 @@ import torch
 from .._arrays import empty_like_record, writable_bytes
 from .._feedback import metered
 from .._format.records import Manifest
-from .._tree import Node, join_path, leaf_paths, scalar_value, unflatten
+from .._tree import Node, array_leaves, join_path, leaf_paths, scalar_value, unflatten
 from .._vault import Vault
 from ..errors import InvalidArgumentError, KeyMismatchError, PickleNotAllowedError
 from .tensors import (
     Dest,
     LossyReads,
     Progress,
-    _array_leaves,
     _finish,
     _mount_prefix,
     _saved_array_paths,
@@ -122,7 +121,7 @@ def restore_live(vault: Vault, manifest: Manifest, into: Any, strict: bool, allo
     objects: dict[str, tuple[Any, Any]] = {}
     plain: dict[str, Any] = {}
     target = _split(into, "", objects, plain)
-    tensors = dict(_array_leaves(target))
+    tensors = dict(array_leaves(target))
     saved = _saved_array_paths(manifest)
     prefix = _mount_prefix(list(tensors), saved, strict, step)  # raises as a plain into= would
 
@@ -166,7 +165,7 @@ def restore_live(vault: Vault, manifest: Manifest, into: Any, strict: bool, allo
         saved_keys = [scalar_value(key_node) for key_node, _child in node[tag]]
         own_missing = tuple(join_path(path, k) for k in own_keys if k not in saved_keys)
         own_unexpected = tuple(join_path(path, k) for k in saved_keys if k not in own_keys)
-        own = {saved[where(p)]: t for p, t in _array_leaves(state, path) if where(p) in saved}
+        own = {saved[where(p)]: t for p, t in array_leaves(state, path) if where(p) in saved}
         only_tensors = all(isinstance(v, (torch.Tensor, np.ndarray)) for v in _leaves(state))
         needs_load = not (isinstance(obj, torch.nn.Module) and only_tensors)
         if needs_load:

@@ -18,13 +18,12 @@ from typing import Any
 
 import numpy as np
 
-from .._delta.kernels import check_ieee, digest, xor_prediction
+from .._delta.kernels import check_ieee, digest, flat_array, xor_prediction
 from .._format.records import Manifest, PredictInfo, TensorRecord
 from .._vault import Vault
 from ..errors import CorruptManifestError, PredictionError
 
 ReadStored = Callable[[Vault, Manifest, dict[Any, Any]], None]
-_DTYPES = {"float32": np.float32, "float64": np.float64}
 
 
 def is_predicted(tensors: tuple[TensorRecord, ...], key: Any) -> bool:
@@ -94,10 +93,8 @@ def _read_levels(vault: Vault, manifest: Manifest, levels: list[tuple[TensorReco
 
 
 def _buffer(record: TensorRecord, view: memoryview | None) -> np.ndarray:
-    dtype = _DTYPES.get(record.dtype, np.uint8)
-    if view is None:
-        return np.empty(record.nbytes // np.dtype(dtype).itemsize, dtype=dtype)
-    return np.frombuffer(view, dtype=np.uint8).view(dtype)
+    """Where record's stored bytes are read: ``view`` (a caller's buffer), else a new array."""
+    return flat_array(np.empty(record.nbytes, dtype=np.uint8).data if view is None else view, record.dtype)
 
 
 def _closure(levels: list[tuple[TensorRecord, ...]], index: list[dict[str, int]], wanted: set[int]) -> list[set[int]]:

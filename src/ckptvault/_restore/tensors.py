@@ -25,7 +25,7 @@ from .._feedback import Progress, metered
 from .._format.records import LossyInfo, Manifest, Piece, TensorRecord
 from .._format.shards import box_of
 from .._parallel import map_all
-from .._tree import join_path, leaf_paths, unflatten
+from .._tree import array_leaves, join_path, leaf_paths, unflatten
 from .._vault import Vault
 from ..errors import CorruptChunkError, InvalidArgumentError, KeyMismatchError, ObjectNotFoundError, PickleNotAllowedError
 from ..rules import any_match
@@ -369,7 +369,7 @@ class IntoPlan:
 
 def plan_into(manifest: Manifest, into: Any, strict: bool) -> IntoPlan:
     """The reads of :func:`restore_into` (raises KeyMismatchError for missing keys, dtypes and shapes)."""
-    targets = dict(_array_leaves(into))
+    targets = dict(array_leaves(into))
     saved = _saved_array_paths(manifest)
     sharded = sharded_array_paths(manifest)
     prefix = _mount_prefix(list(targets), {**saved, **sharded}, strict, manifest.step)
@@ -603,17 +603,6 @@ def _found_under(paths: list[str], saved: dict[str, int]) -> dict[str, int]:
                 found[s[:dot]] += 1
             dot = s.find(".", dot + 1)
     return dict(found)
-
-
-def _array_leaves(value: Any, path: str = "") -> Iterable[tuple[str, Any]]:
-    if isinstance(value, (torch.Tensor, np.ndarray)):
-        yield path, value
-    elif isinstance(value, dict):
-        for k, v in value.items():
-            yield from _array_leaves(v, join_path(path, k))
-    elif isinstance(value, (list, tuple)):
-        for i, v in enumerate(value):
-            yield from _array_leaves(v, join_path(path, i))
 
 
 def _leaf_indices(tree: dict[str, Any], selected: set[str] | None) -> set[int]:

@@ -49,14 +49,15 @@ def build_manifest(step: int, snapshot: Snapshot, chunks: list[ChunkResult], pie
     they read (and its chain's) the manifest's restore chain lists.
     """
     table = ChunkTable()
-    predicted = predicted_from is not None and any(r.predict is not None for r in snapshot.records)
-    if predicted and predicted_from is not None:  # the restore chain keeps that manifest's chunk indices
+    if not any(r.predict is not None for r in snapshot.records):
+        predicted_from = None
+    if predicted_from is not None:  # the restore chain keeps that manifest's chunk indices
         for ref in chain_table_prefix(predicted_from):
             table.add(ref)
     remap = [table.add(ChunkRef(c.id, c.raw, c.stored, c.new, c.base)) for c in chunks]
     tensors = tuple(_tensor_record(record, leaf_pieces, remap, table)
                     for record, leaf_pieces in zip(snapshot.records, pieces, strict=True))
-    chain = build_chain(tensors, predicted_from if predicted else None)
+    chain = build_chain(tensors, predicted_from)
     requires = tuple(feature for feature, used in (("lossy", any(t.lossy is not None for t in tensors)),
                                                    ("xplanes", any(c.base for c in table.entries)),
                                                    ("predicted", bool(chain))) if used)

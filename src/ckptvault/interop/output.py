@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from .._format.records import Manifest
-from .._tree import join_path, unflatten
+from .._tree import array_leaves, unflatten
 from .._vault import Vault
 from ..errors import InvalidArgumentError
 from .fill import ArrayLeaf, fill, map_shared, tensor_at
@@ -113,20 +113,8 @@ def write_torch(vault: Vault, manifest: Manifest, leaves: list[ArrayLeaf], scala
         del state, arrays
         with torch.serialization.set_default_mmap_options(mmap.MAP_SHARED):  # writes reach the file
             mapped = torch.load(tmp, mmap=True, weights_only=True)
-        targets = dict(_tensors(mapped))
+        targets = dict(array_leaves(mapped))  # torch.load gives tensors only
         missing = [leaf.path for leaf in leaves if leaf.path not in targets]
         assert not missing, f"torch.load of the layout lacks {missing[:3]}"  # the same tree, walked the same way
         fill(vault, manifest, leaves, targets)
         del targets, mapped
-
-
-def _tensors(value: Any, path: str = "") -> Iterator[tuple[str, torch.Tensor]]:
-    """(key path, tensor) of every tensor in a nested state, key paths joined as the manifest's."""
-    if isinstance(value, torch.Tensor):
-        yield path, value
-    elif isinstance(value, dict):
-        for key, item in value.items():
-            yield from _tensors(item, join_path(path, key))
-    elif isinstance(value, (list, tuple)):
-        for i, item in enumerate(value):
-            yield from _tensors(item, join_path(path, i))
