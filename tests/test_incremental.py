@@ -637,3 +637,19 @@ def test_a_failed_keyframe_save_leaves_no_cache_and_later_deltas_read_the_store(
         mgr.save(2, states[2]).wait()  # retried: a keyframe again, cached again
         assert mgr.manifest(2)["keyframe_step"] == 2
         assert_restores_exactly(mgr, states)
+
+
+def test_delta_saves_reread_no_manifest_their_saver_committed(tmp_path: Path) -> None:
+    """Each delta save needs the latest manifest and its keyframe's: a saver that committed them keeps them parsed,
+    the keyframe too after many more saves than it keeps of the latest."""
+    store = CountingStore(tmp_path / "v")
+    state = {"w": torch.arange(4096, dtype=torch.float32)}
+    with CheckpointManager(store, chunk_size=CHUNK, async_save=False, keyframe_every=20) as mgr:
+        for step in range(12):
+            state["w"][step] += 1.0
+            mgr.save(step, state)
+        manifest_reads = {key: n for key, n in store.read.items() if key.startswith("manifests/")}
+        assert mgr.manifest(11)["keyframe_step"] == 0
+    assert manifest_reads == {}, f"delta saves read manifests their saver had committed: {manifest_reads}"
+    with CheckpointManager(store, chunk_size=CHUNK) as mgr:
+        assert_same_state(state, mgr.restore(11))

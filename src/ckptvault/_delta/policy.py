@@ -214,7 +214,8 @@ class DeltaContext:
 class ManifestCache:
     """The manifests a saver committed lately, parsed, each with the size and modification time its object had
     just after the commit: :func:`delta_context` takes one instead of reading it again while a ``stat`` still
-    shows the same object (a predicted checkpoint's manifest carries its restore chain and grows with it)."""
+    shows the same object (a predicted checkpoint's manifest carries its restore chain and grows with it). It keeps the
+    last :attr:`KEEP` and the keyframe of the newest."""
 
     KEEP = 4
 
@@ -226,8 +227,10 @@ class ManifestCache:
         key = manifest_key(manifest.step)
         info = vault.store.stat(key)
         self._entries[key] = (info.size, info.mtime, manifest)
-        while len(self._entries) > self.KEEP:
-            del self._entries[next(iter(self._entries))]
+        # The keyframe the newest delta points at stays, however old: every save until the next keyframe reads it.
+        keep = manifest_key(manifest.keyframe)
+        while len(self._entries) > self.KEEP + (keep in self._entries and keep != key):
+            del self._entries[next(k for k in self._entries if k != keep)]
 
     def get(self, key: str, size: int, mtime: float) -> Manifest | None:
         entry = self._entries.get(key)

@@ -84,7 +84,7 @@ class Saver(InFlight):
         deltas = delta_policy.enabled and delta_policy.every > 1  # every=1: every checkpoint is a keyframe
         self._keyframe_cache = KeyframeCache() if wanted and deltas else None
         self._predictor = predictor if deltas else None
-        self._manifests = ManifestCache() if self._predictor is not None else None
+        self._manifests = ManifestCache() if deltas else None  # the next save's base manifests, without a re-read
         _LIVE.add(self)
 
     def submit(self, request: SaveRequest, state: Any, rules: CodecRules, allow_pickle: bool) -> SaveHandle:
@@ -142,7 +142,7 @@ class Saver(InFlight):
             return
         handle.committed.set_result(info_from_manifest(manifest))
         self._commit_keyframe_cache(request.step)
-        self._keep_for_predictions(manifest)
+        self._keep_for_next_save(manifest)
         if self.after_commit is not None:
             try:
                 self.after_commit(request.step)
@@ -164,18 +164,21 @@ class Saver(InFlight):
             log.warning("could not keep keyframe %d in the keyframe cache (%s: %s); its deltas will read it back",
                         step, type(exc).__name__, exc)
 
-    def _keep_for_predictions(self, manifest: Any) -> None:
-        """Copy committed ``manifest``'s arrays for the next save's predictions (after the commit is reported, before
-        the next save may stage, as for the keyframe cache). A failure costs the next save its predictions only."""
-        if self._predictor is None or self._manifests is None:
-            return
+    def _keep_for_next_save(self, manifest: Any) -> None:
+        """Keep committed ``manifest`` parsed for the next save's delta context and copy its arrays for the next
+        save's predictions (after the commit is reported, before the next save may stage, as for the keyframe
+        cache). A failure costs the next save a manifest read, or its predictions, only."""
         try:
-            self._manifests.note(self.vault, manifest)
-            self._predictor.keep(manifest)
-        except Exception as exc:  # noqa: BLE001 - the save is committed; the next one is simply not predicted
-            self._predictor.forget()
-            log.warning("could not keep step %d's arrays for predictions (%s: %s); the next save is not predicted",
-                        manifest.step, type(exc).__name__, exc)
+            if self._manifests is not None:
+                self._manifests.note(self.vault, manifest)
+            if self._predictor is not None:
+                self._predictor.keep(manifest)
+        except Exception as exc:  # noqa: BLE001 - the save is committed; the next one just reads, or is not predicted
+            if self._predictor is not None:
+                self._predictor.forget()
+            self._manifests = ManifestCache()
+            log.warning("could not keep step %d for the next save (%s: %s); that save reads it again and is not "
+                        "predicted", manifest.step, type(exc).__name__, exc)
 
     def close(self) -> None:
         """Flush: wait for the save in flight, stop the background thread, raise any unreported error."""
