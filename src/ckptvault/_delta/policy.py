@@ -215,25 +215,27 @@ class ManifestCache:
     """The manifests a saver committed lately, parsed, each with the size and modification time its object had
     just after the commit: :func:`delta_context` takes one instead of reading it again while a ``stat`` still
     shows the same object (a predicted checkpoint's manifest carries its restore chain and grows with it). It keeps the
-    last :attr:`KEEP` and the keyframe of the newest."""
+    last :attr:`KEEP` and the last keyframe it committed."""
 
     KEEP = 4
 
     def __init__(self) -> None:
         self._entries: dict[str, tuple[int, float, Manifest]] = {}
+        self._keyframe: dict[str, tuple[int, float, Manifest]] = {}  # the last keyframe: every delta after it reads it
 
     def note(self, vault: Vault, manifest: Manifest) -> None:
         """Remember committed ``manifest`` as its object is now."""
         key = manifest_key(manifest.step)
         info = vault.store.stat(key)
-        self._entries[key] = (info.size, info.mtime, manifest)
-        # The keyframe the newest delta points at stays, however old: every save until the next keyframe reads it.
-        keep = manifest_key(manifest.keyframe)
-        while len(self._entries) > self.KEEP + (keep in self._entries and keep != key):
-            del self._entries[next(k for k in self._entries if k != keep)]
+        entry = (info.size, info.mtime, manifest)
+        if manifest.keyframe == manifest.step:
+            self._keyframe = {key: entry}
+        self._entries[key] = entry
+        while len(self._entries) > self.KEEP:
+            del self._entries[next(iter(self._entries))]
 
     def get(self, key: str, size: int, mtime: float) -> Manifest | None:
-        entry = self._entries.get(key)
+        entry = self._entries.get(key) or self._keyframe.get(key)
         return entry[2] if entry is not None and entry[:2] == (size, mtime) else None
 
 

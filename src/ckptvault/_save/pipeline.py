@@ -176,7 +176,6 @@ class Saver(InFlight):
         except Exception as exc:  # noqa: BLE001 - the save is committed; the next one just reads, or is not predicted
             if self._predictor is not None:
                 self._predictor.forget()
-            self._manifests = ManifestCache()
             log.warning("could not keep step %d for the next save (%s: %s); that save reads it again and is not "
                         "predicted", manifest.step, type(exc).__name__, exc)
 
