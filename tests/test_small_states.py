@@ -2,13 +2,18 @@
 saves and restores, the byte-plane kernels loaded only once a process has split or joined enough bytes, and a
 lossy save still loading (and using) the lossy kernels.
 
-Each test runs in a fresh interpreter, where ``sys.modules`` shows what a process imported."""
+The import tests run in a fresh interpreter, where ``sys.modules`` shows what a process imported; the last two
+check that a restore leaves a collection that is due to the process."""
 
 from __future__ import annotations
 
+import gc
 import json
+import os
 import subprocess
 import sys
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -129,3 +134,74 @@ def test_numpy_loops_match_the_kernels_across_blocks(typesize: int) -> None:
     assert planes._plane_kernels() is not None
     kernel_planes, _ = planes.split_planes(raw, typesize)
     np.testing.assert_array_equal(kernel_planes, numpy_planes)
+
+
+def _collections_inside_ckptvault(run: Callable[[], object]) -> tuple[list[str], object]:
+    """``run()`` with a collection due at every allocation; the ckptvault functions any automatic collection
+    interrupted (none, when the restore pauses the collector), and what ``run`` returned."""
+    interrupted: list[str] = []
+
+    def on_collection(phase: str, info: dict) -> None:
+        frame = sys._getframe(1)
+        while frame is not None:
+            if f"{os.sep}ckptvault{os.sep}" in frame.f_code.co_filename:
+                interrupted.append(frame.f_code.co_name)
+                return
+            frame = frame.f_back
+
+    gc.collect()
+    threshold = gc.get_threshold()
+    gc.callbacks.append(on_collection)
+    gc.set_threshold(1)
+    try:
+        result = run()
+    finally:
+        gc.set_threshold(*threshold)
+        gc.callbacks.remove(on_collection)
+    return interrupted, result
+
+
+def test_a_restore_leaves_the_collection_due_to_the_process(tmp_path: Path) -> None:
+    """A collection due (``import torch`` leaves one) is not paid inside a restore: the collector stays paused from
+    ``load()`` or ``restore()`` until it returns, and is on again afterwards. The control shows that with the same
+    threshold a save is interrupted by collections, so the probe sees them where they happen."""
+    import torch
+
+    import ckptvault
+
+    state = {"model": {f"w{i}": torch.full((64,), float(i)) for i in range(40)}, "step": 7}
+    saved, _ = _collections_inside_ckptvault(lambda: ckptvault.save(state, tmp_path / "v", step=7))
+    assert saved, "control: a save with the same threshold was never interrupted, so the probe proves nothing"
+
+    interrupted, back = _collections_inside_ckptvault(lambda: ckptvault.load(tmp_path / "v"))
+    assert interrupted == []
+    assert gc.isenabled()
+    assert back["step"] == 7 and all(torch.equal(back["model"][k], v) for k, v in state["model"].items())
+
+    with ckptvault.CheckpointManager(tmp_path / "v") as mgr:
+        interrupted, back = _collections_inside_ckptvault(lambda: mgr.restore(7, into={"model": state["model"]}))
+    assert interrupted == [] and gc.isenabled()
+
+
+def test_restores_keep_the_collector_as_the_process_set_it(tmp_path: Path) -> None:
+    """Overlapping restores in several threads re-enable the collector once, after the last; a process that
+    disabled the collector finds it disabled after a restore."""
+    import torch
+
+    import ckptvault
+
+    ckptvault.save({"w": torch.arange(100_000.0)}, tmp_path / "v", step=1)
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(lambda _: ckptvault.load(tmp_path / "v"), range(8)))
+    assert all(torch.equal(r["w"], torch.arange(100_000.0)) for r in results)
+    assert gc.isenabled()
+
+    gc.disable()
+    try:
+        ckptvault.load(tmp_path / "v")
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+    with pytest.raises(ckptvault.errors.StepNotFoundError):
+        ckptvault.load(tmp_path / "v", step=2)
+    assert gc.isenabled()

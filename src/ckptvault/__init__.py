@@ -17,7 +17,7 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-from . import errors
+from . import _collector, errors
 from ._maintenance.copy import CopyPlan, CopyResult, copy_checkpoints
 from ._maintenance.gc import GCPlan, GCResult
 from ._maintenance.prune import PrunePlan, PruneResult
@@ -82,10 +82,14 @@ def load(url: Any, step: int | None = None, **options: Any) -> Any:
     Takes every keyword of :meth:`CheckpointManager.restore` (``into``, ``keys``, ``strict``, ``allow_pickle``,
     ``progress``) and the manager's ``storage_options`` and ``workers``.
     """
-    restore_kwargs = {k: options.pop(k) for k in _RESTORE_KEYWORDS & set(options)}
-    unknown = sorted(set(options) - {"storage_options", "workers"})
-    if unknown:
-        raise TypeError(f"load() got an unexpected keyword argument {unknown[0]!r}: it takes the keywords of "
-                        "CheckpointManager.restore plus storage_options and workers")
-    with CheckpointManager(url, **options) as mgr:
-        return mgr.restore(step, **restore_kwargs)
+    _collector.pause()  # first: the manager's set-up allocates too
+    try:
+        restore_kwargs = {k: options.pop(k) for k in _RESTORE_KEYWORDS & set(options)}
+        unknown = sorted(set(options) - {"storage_options", "workers"})
+        if unknown:
+            raise TypeError(f"load() got an unexpected keyword argument {unknown[0]!r}: it takes the keywords of "
+                            "CheckpointManager.restore plus storage_options and workers")
+        with CheckpointManager(url, **options) as mgr:
+            return mgr.restore(step, **restore_kwargs)
+    finally:
+        _collector.resume()

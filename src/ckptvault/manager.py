@@ -9,6 +9,7 @@ import sys
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+from . import _collector
 from ._argcheck import check_kind, check_progress
 from ._codecs import DEFAULT_CODEC
 from ._codecs.planes import load_if_worth_it, wait_for_kernel_loading
@@ -290,9 +291,17 @@ class CheckpointManager(MaintenanceMixin):
         increments: the bytes of the chunks this restore reads (``info(step).logical_bytes`` for a whole
         checkpoint; less when ``keys`` or ``into`` name part of it, a packed chunk counted whole).
         """
-        check_kind("strict", strict, bool)
-        check_kind("allow_pickle", allow_pickle, bool)  # "no" would allow unpickling
-        check_progress(progress)
+        _collector.pause()  # before anything allocates
+        try:
+            check_kind("strict", strict, bool)
+            check_kind("allow_pickle", allow_pickle, bool)  # "no" would allow unpickling
+            check_progress(progress)
+            return self._restore(step, into, keys, strict, allow_pickle, progress)
+        finally:
+            _collector.resume()
+
+    def _restore(self, step: int | str | None, into: Any, keys: Iterable[str] | str | None, strict: bool,
+                 allow_pickle: bool, progress: Progress | None) -> Any:
         if self._collective is not None:
             resolved = self._collective.on_coordinator(lambda: self._resolve(step))  # every rank the same step
             manifest = self.vault.read_manifest(resolved)
