@@ -30,6 +30,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -373,3 +374,47 @@ def test_folders_a_put_creates_are_fsynced_into_their_parents(tmp_path: Path, mo
     assert root in synced  # manifests/ (and vault.json) named in the vault folder
     assert root / "manifests" in synced  # the manifest named in manifests/
     assert ckptvault.load(root, 1)["w"].tolist() == [1.0] * 4
+
+
+def test_a_save_syncs_its_chunks_names_and_then_its_manifest(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The order a crash can rely on (DESIGN M1, M2), and its price: a save into an existing vault makes three
+    syncs, the chunk and manifest bytes (syncfs), the chunk names (syncfs), the manifest's name (its folder's
+    fsync); the manifest is linked only after the chunks' names are durable. A save that writes no chunk makes
+    two: its manifest's fsync and its folder's."""
+    import ckptvault.stores.local as local
+
+    if local._syncfs is None:
+        pytest.skip("write batches need syncfs (Linux 5.8+)")
+    root = tmp_path / "vault"
+    state = {"w": torch.randn(300_000), "b": torch.randn(1_000), "step": 1}
+    ckptvault.save(state, root, step=1)
+    events: list[str] = []
+    real_syncfs, real_fsync, real_link = local._syncfs, os.fsync, os.link
+
+    def syncfs(fd: int) -> int:
+        events.append("syncfs")
+        return real_syncfs(fd)
+
+    def fsync(fd: int) -> None:
+        events.append("fsync")
+        real_fsync(fd)
+
+    def link(src: Any, dst: Any, *args: Any, **kwargs: Any) -> None:
+        events.append("link manifest" if Path(dst).parent.name == "manifests" else "link chunk")
+        real_link(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(local, "_syncfs", syncfs)
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "link", link)
+    state["w"] += 1
+    ckptvault.save(state, root, step=2)
+    chunk_links = events.count("link chunk")
+    assert chunk_links >= 1
+    assert events == ["syncfs"] + ["link chunk"] * chunk_links + ["syncfs", "link manifest", "fsync"]
+
+    events.clear()
+    ckptvault.save(state, root, step=3)  # the same tensors: every chunk is stored already
+    assert events == ["fsync", "link manifest", "fsync"]
+    assert sorted(p.name for p in (root / "tmp").iterdir()) == []
+    for step in (2, 3):
+        assert torch.equal(ckptvault.load(root, step)["w"], state["w"])

@@ -7,9 +7,11 @@ written are unreferenced garbage for ``gc``.
 
 Chunk writes may be retried freely: a chunk is named by the hash of its raw
 bytes and written with create-if-absent, so writing it twice is harmless.
-They go through the store's write batch (``Store.write_batch``), which
-:func:`write_chunks` finishes before it returns: every new chunk is durable
-and visible before :func:`commit` names it.
+They go through the store's write batch (``Store.write_batch``). Given a
+batch, :func:`write_chunks` leaves finishing it to :func:`commit`, which
+stages the manifest in it first (one sync fewer); without, it finishes a batch
+of its own before it returns. Either way every new chunk is durable and
+visible before the manifest that names it is.
 """
 
 from __future__ import annotations
@@ -84,19 +86,26 @@ def pack_threshold(chunk_size: int) -> int:
 
 
 def write_chunks(vault: Vault, snapshot: Snapshot, progress: Progress | None = None,
-                 delta: DeltaContext | None = None) -> tuple[list[ChunkResult], list[list[Piece]]]:
-    """Write every chunk of ``snapshot`` the vault lacks. Returns chunk results and per-leaf pieces."""
+                 delta: DeltaContext | None = None, batch: WriteBatch | None = None
+                 ) -> tuple[list[ChunkResult], list[list[Piece]]]:
+    """Write every chunk of ``snapshot`` the vault lacks. Returns chunk results and per-leaf pieces.
+
+    ``batch``: the caller's, left unfinished (``commit(..., batch)`` finishes it); abandoned if this raises.
+    None: a batch of this call's own, finished before it returns.
+    """
     delta = delta or DeltaContext()
     chunk_size = vault.require().chunk_size
     specs = [LeafSpec(r.nbytes, r.itemsize, r.codec, pack_group(r)) for r in snapshot.records]
     plans, pieces = plan_chunks(specs, chunk_size, pack_threshold(chunk_size))
     bases = find_bases(plans, snapshot.records, delta.keyframe) if delta.keyframe else [None] * len(plans)
-    batch = vault.store.write_batch()
+    own = batch is None
+    batch = batch or vault.store.write_batch()
     progress = metered(progress, sum(plan.nbytes for plan in plans))  # every chunk is reported, new or not
     writer = _ChunkWriter(vault, snapshot, progress, delta, batch)
     try:
         results = map_all(vault.pool, writer.write, plans, bases)
-        _finish(batch)  # every new chunk durable and visible before commit() names it
+        if own:
+            finish_batch(batch)  # every new chunk durable and visible before commit() names it
     except BaseException:
         batch.abandon()
         raise
@@ -247,7 +256,7 @@ class _ChunkWriter:
             event.set()
 
 
-def _finish(batch: WriteBatch) -> None:
+def finish_batch(batch: WriteBatch) -> None:
     """``batch.finish()``; a written object that vanished before it became visible (a concurrent gc took it) fails
     the save as a retryable SaveError, as a chunk missing at commit does."""
     try:

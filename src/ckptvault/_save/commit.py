@@ -24,9 +24,9 @@ from .._parallel import map_all
 from .._vault import Vault
 from .._version import __version__
 from ..errors import InvalidArgumentError, SaveError, StepExistsError
-from ..stores.base import Store
+from ..stores.base import Store, WriteBatch
 from .chunking import Piece
-from .chunks import ChunkResult
+from .chunks import ChunkResult, finish_batch
 from .guard import ManifestGuard
 from .snapshot import ArrayRecord, Snapshot
 
@@ -119,9 +119,14 @@ def _lossy_info(record: ArrayRecord, table: ChunkTable) -> LossyInfo | None:
     return replace(record.lossy, base_pieces=base_pieces)
 
 
-def commit(vault: Vault, step: int, manifest: Manifest, overwrite: bool, guard: ManifestGuard | None = None
-           ) -> None:
+def commit(vault: Vault, step: int, manifest: Manifest, overwrite: bool, guard: ManifestGuard | None = None,
+           batch: WriteBatch | None = None) -> None:
     """Make the checkpoint visible. Atomic: afterwards it is either fully committed or absent.
+
+    ``batch``: the unfinished write batch of the save's chunks (``write_chunks(..., batch)``). The manifest is
+    staged in it, the batch finished (its chunks durable and visible, the manifest's bytes written with theirs),
+    and then the manifest published; with the local store that is three syncs where finishing the batch first
+    and then putting the manifest takes four. None: the chunks are durable already. Abandoned if this raises.
 
     Before writing the manifest, every chunk it names and every delta base is
     checked to still exist: gc deletes unreferenced chunks older than its grace
@@ -131,21 +136,24 @@ def commit(vault: Vault, step: int, manifest: Manifest, overwrite: bool, guard: 
     First, ``guard`` touches the chunks the save reused untouched if a manifest
     it relied on changed meanwhile (``_save/guard.py``).
     """
-    if guard is not None:
-        guard.ensure(vault.store, vault.pool)
-    needed = sorted({c.id for c in manifest.chunks} | {c.base for c in manifest.chunks if c.base})
-    missing = missing_chunks(vault, needed)
-    if missing:
-        raise SaveError(
-            f"{len(missing)} chunks of step {step} (such as {missing[0]}) were removed by a concurrent gc before it "
-            "committed (is gc's grace period shorter than a save?); nothing was committed: save again"
-        )
-    data = encode_manifest(manifest)
-    key = manifest_key(step)
-    if overwrite:
-        vault.store.put(key, data)
-    elif not vault.store.put_if_absent(key, data):
-        raise StepExistsError(step, vault.url)
+    batch = batch or vault.store.write_batch()
+    try:
+        if guard is not None:
+            guard.ensure(vault.store, vault.pool)
+        batch.stage_final(manifest_key(step), encode_manifest(manifest))
+        finish_batch(batch)
+        needed = sorted({c.id for c in manifest.chunks} | {c.base for c in manifest.chunks if c.base})
+        missing = missing_chunks(vault, needed)
+        if missing:
+            raise SaveError(
+                f"{len(missing)} chunks of step {step} (such as {missing[0]}) were removed by a concurrent gc before "
+                "it committed (is gc's grace period shorter than a save?); nothing was committed: save again"
+            )
+        if not batch.publish_final(overwrite):
+            raise StepExistsError(step, vault.url)
+    except BaseException:
+        batch.abandon()
+        raise
     log.info("committed step %d to %s (%d bytes added)", step, vault.url, manifest.added_bytes)
 
 

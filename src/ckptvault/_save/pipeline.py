@@ -125,10 +125,15 @@ class Saver(InFlight):
             if self._predictor is not None:  # keyframes are never predicted: each one ends the restore chains
                 latest = delta.latest if delta.keyframe is not None else None
                 snapshot = self._predictor.apply(snapshot, latest, request.step, self.vault.chunk_size(), self.vault.pool)
-            chunks, pieces = write_chunks(self.vault, snapshot, request.progress, delta)
-            manifest = build_manifest(request.step, snapshot, chunks, pieces, request.metrics, request.metadata,
-                                      delta.keyframe_step, delta.since_keyframe, delta.latest)
-            commit(self.vault, request.step, manifest, request.overwrite, delta.guard)
+            batch = self.vault.store.write_batch()  # finished by commit(), after it staged the manifest
+            try:
+                chunks, pieces = write_chunks(self.vault, snapshot, request.progress, delta, batch)
+                manifest = build_manifest(request.step, snapshot, chunks, pieces, request.metrics,
+                                          request.metadata, delta.keyframe_step, delta.since_keyframe, delta.latest)
+            except BaseException:
+                batch.abandon()
+                raise
+            commit(self.vault, request.step, manifest, request.overwrite, delta.guard, batch)
         except BaseException as caught:  # noqa: BLE001 - handed to the caller, not swallowed
             if self._predictor is not None:
                 self._predictor.forget()

@@ -133,16 +133,20 @@ def check_size(store: Store, key: str, size: int, max_size: int | None) -> None:
 class WriteBatch:
     """New objects written together, durable and visible together (the chunks of one save).
 
-    Call order: :meth:`put_if_absent` from any number of threads, then :meth:`finish` once (every object put
-    is then durable and visible; if it raises, none is promised and the save must fail) or :meth:`abandon`
-    (objects not yet visible are discarded). Until :meth:`finish`, an object put may be invisible, so only
-    code that does not read it back (a save's chunk writer) may use a batch; a commit that names the
-    objects comes after :meth:`finish`. This base class writes through to :meth:`Store.put_if_absent`, so
-    each object is durable at once and both ends are no-ops.
+    Call order: :meth:`put_if_absent` from any number of threads; optionally :meth:`stage_final` once, the
+    object that names the others (a save's manifest); then :meth:`finish` once (every object put is then
+    durable and visible; if it raises, none is promised and the save must fail); then, if staged,
+    :meth:`publish_final` once. Or, at any point, :meth:`abandon` (objects not yet visible are discarded).
+    Until :meth:`finish`, an object put may be invisible, so only code that does not read it back (a save's
+    chunk writer) may use a batch. This base class writes through to :meth:`Store.put_if_absent`, so each
+    object is durable at once, :meth:`finish` and :meth:`abandon` are no-ops, and the staged object is
+    written by :meth:`publish_final`. The local store's batch writes the staged object's bytes with the
+    others, so that the sync making theirs durable makes its bytes durable too (one sync fewer per save).
     """
 
     def __init__(self, store: Store) -> None:
         self.store = store
+        self._final: tuple[str, bytes] | None = None
 
     def put_if_absent(self, key: str, data: bytes | memoryview) -> bool:
         """Create the object unless it exists. True if it did not exist when this call looked (two batches
@@ -155,8 +159,24 @@ class WriteBatch:
         :meth:`Store.put_parts_if_absent`."""
         return self.store.put_parts_if_absent(key, parts)
 
+    def stage_final(self, key: str, data: bytes) -> None:
+        """Hold ``key``, to be made visible by :meth:`publish_final` after :meth:`finish`, never before every
+        other object of the batch is durable and visible. Call at most once, before :meth:`finish`."""
+        self._final = (key, data)
+
     def finish(self) -> None:  # noqa: B027 - the write-through batch has nothing left to do
         """Make every object put durable and visible."""
+
+    def publish_final(self, overwrite: bool = False) -> bool:
+        """After :meth:`finish`: make the staged object durable and visible, create-if-absent (False: an object
+        of that key existed, and is left as it was) or, with ``overwrite``, replacing it atomically (True)."""
+        if self._final is None:
+            raise RuntimeError("publish_final() without stage_final(): nothing is staged")
+        (key, data), self._final = self._final, None
+        if overwrite:
+            self.store.put(key, data)
+            return True
+        return self.store.put_if_absent(key, data)
 
     def abandon(self) -> None:  # noqa: B027 - the write-through batch has nothing left to do
         """Discard the objects not yet visible (best effort; after a failed save)."""

@@ -614,6 +614,9 @@ class LocalWriteBatch(WriteBatch):
     returns after writing the temporary file; the object is invisible until
     :meth:`finish`, which syncs the file system, links every temporary file to its final name (an existing
     object with that name wins: it holds the same bytes), removes the temporary files and syncs again.
+    :meth:`stage_final` writes its temporary file unsynced too, so the first sync makes its bytes durable;
+    :meth:`publish_final` links (or renames) it into place and fsyncs its directory: three syncs for a save
+    that writes chunks and its manifest, where a ``put`` of the manifest after the batch would make four.
     With the store's ``drop_behind``, chunks older than the newest :data:`DROP_BEHIND_WINDOW` bytes are
     dropped from the page cache as the batch goes (their clean pages), and all of them after the second sync.
     """
@@ -625,6 +628,7 @@ class LocalWriteBatch(WriteBatch):
         self._lock = threading.Lock()
         self._cached: deque[tuple[Path, int]] = deque()  # written, not yet dropped (with drop_behind)
         self._cached_bytes = 0
+        self._staged: tuple[Path, Path] | None = None  # stage_final's (temporary file, final path)
 
     def put_if_absent(self, key: str, data: bytes | memoryview) -> bool:
         return self.put_parts_if_absent(key, [data])
@@ -654,13 +658,24 @@ class LocalWriteBatch(WriteBatch):
         for path in old:
             _drop_cached(path)
 
+    def stage_final(self, key: str, data: bytes) -> None:
+        final = self.local._path(key)
+        with _classified(key):
+            self.local._ready()
+            self.local._check_folder(key, final)
+        self.local._ensure_dir(final.parent, durable=True)
+        self._staged = (self.local._write_temp(data, final, sync=False), final)
+
     def finish(self) -> None:
         with self._lock:
             pending, self._pending = self._pending, []
         if not pending:
+            if self._staged is not None:  # nothing else to sync: its fsync, not a sync of the whole file system
+                with _classified(str(self._staged[1])):
+                    _fsync_file(self._staged[0])
             return
         try:
-            self._sync()  # the data of every temporary file
+            self._sync()  # the data of every temporary file (the staged one's too)
             for tmp, final in pending:
                 self.local._ensure_dir(final.parent)
                 with _classified(str(final)):
@@ -684,11 +699,33 @@ class LocalWriteBatch(WriteBatch):
             for tmp, _final in pending:
                 _unlink_quietly(tmp)
 
+    def publish_final(self, overwrite: bool = False) -> bool:
+        if self._staged is None:
+            raise RuntimeError("publish_final() without stage_final(): nothing is staged")
+        (tmp, final), self._staged = self._staged, None
+        try:
+            with _classified(str(final)):
+                if overwrite:
+                    os.replace(tmp, final)
+                    created = True
+                else:
+                    try:
+                        os.link(tmp, final)
+                        created = True
+                    except FileExistsError:  # inside _classified, which would wrap it
+                        created = False
+        finally:
+            _unlink_quietly(tmp)
+        if created:
+            _fsync_dir(final.parent)
+        return created
+
     def abandon(self) -> None:
         with self._lock:
             pending, self._pending = self._pending, []
             self._cached, self._cached_bytes = deque(), 0
-        for tmp, _final in pending:
+            staged, self._staged = self._staged, None
+        for tmp, _final in pending + ([staged] if staged else []):
             _unlink_quietly(tmp)
 
     def _sync(self) -> None:
@@ -841,6 +878,14 @@ def _fsync_fd(fd: int) -> None:
         os.fsync(fd)
     except OSError:
         pass
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _fsync_dir(path: Path) -> None:

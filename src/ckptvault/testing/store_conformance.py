@@ -231,6 +231,40 @@ class StoreConformance:
         assert bytes(store.get("parts/new")) == b"".join(bytes(p) for p in parts)
         assert bytes(store.get("parts/empty")) == b"" and bytes(store.get("parts/old")) == b"old"
 
+    def test_write_batch_final_object_appears_only_when_published(self, store: Store) -> None:
+        batch = store.write_batch()
+        assert batch.put_if_absent("final/chunk", b"chunk") is True
+        batch.stage_final("final/manifest", b"names the chunk")
+        batch.finish()
+        assert bytes(store.get("final/chunk")) == b"chunk"
+        assert not store.exists("final/manifest")  # staged: invisible until published
+        assert batch.publish_final() is True
+        assert bytes(store.get("final/manifest")) == b"names the chunk"
+
+    def test_write_batch_final_object_create_if_absent_or_replace(self, store: Store) -> None:
+        store.put("final/taken", b"first")
+        batch = store.write_batch()
+        batch.stage_final("final/taken", b"second")
+        batch.finish()
+        assert batch.publish_final() is False  # an existing object wins, unchanged
+        assert bytes(store.get("final/taken")) == b"first"
+        batch = store.write_batch()
+        batch.stage_final("final/taken", b"third")
+        batch.finish()
+        assert batch.publish_final(overwrite=True) is True
+        assert bytes(store.get("final/taken")) == b"third"
+        assert _keys(store.list("final/")) == {"final/taken"}
+        with pytest.raises(RuntimeError, match="nothing is staged"):
+            batch.publish_final()
+
+    def test_write_batch_abandoned_with_a_final_object_leaves_it_absent(self, store: Store) -> None:
+        batch = store.write_batch()
+        batch.stage_final("final/never", b"manifest")
+        batch.abandon()
+        assert not store.exists("final/never")
+        assert _keys(store.list("final/")) == set()
+        assert store.temp_files() == []  # no temporary object of it left for gc
+
     def test_get_refuses_an_object_larger_than_max_size(self, store: Store) -> None:
         store.put("sized/a", b"a" * 5000)
         assert bytes(store.get("sized/a", max_size=5000)) == b"a" * 5000
