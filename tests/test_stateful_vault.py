@@ -638,4 +638,4 @@ def test_vault_on_s3(rgw: Any) -> None:
     class OnS3(VaultMachine):
         vaults_factory = staticmethod(lambda: S3Vaults(rgw))
 
-    run_state_machine_as_test(OnS3, settings=machine_settings(examples=5, steps=30))
+    run_state_machine_as_test(OnS3, settings=machine_settings(examples=3, steps=30))  # ~15 s an example here
