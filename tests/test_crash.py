@@ -361,10 +361,11 @@ def test_kill_standalone_saver_process(tmp_path: Path) -> None:
 
 
 def test_folders_a_put_creates_are_fsynced_into_their_parents(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A first save makes the vault folder and manifests/ outside any write batch: each new folder's name is made
-    durable in its parent (fsync of the parent), as the manifest inside it is (DESIGN M1)."""
+    """Where there is no syncfs, a first save makes each new folder's name durable in its parent (fsync of the
+    parent), as the manifest inside it is (DESIGN M1)."""
     import ckptvault.stores.local as local
 
+    monkeypatch.setattr(local, "_syncfs", None)
     synced: list[Path] = []
     real = local._fsync_dir
     monkeypatch.setattr(local, "_fsync_dir", lambda path: (synced.append(Path(path)), real(path))[1])
@@ -374,6 +375,34 @@ def test_folders_a_put_creates_are_fsynced_into_their_parents(tmp_path: Path, mo
     assert root in synced  # manifests/ (and vault.json) named in the vault folder
     assert root / "manifests" in synced  # the manifest named in manifests/
     assert ckptvault.load(root, 1)["w"].tolist() == [1.0] * 4
+
+
+def test_a_first_save_names_its_new_folders_durably_with_syncfs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With syncfs, one sync makes the names of every folder a put made durable (vault.json's: the vault folder
+    and its parents), and the batch's syncs those of manifests/ and chunks/<xx>: a save into a new vault makes
+    five syncs, and each new folder is made before a sync that precedes the manifest's link."""
+    import ckptvault.stores.local as local
+
+    if local._syncfs is None:
+        pytest.skip("needs syncfs (Linux 5.8+)")
+    events: list[str] = []
+    real_syncfs, real_fsync, real_link, real_mkdir = local._syncfs, os.fsync, os.link, os.mkdir
+    monkeypatch.setattr(local, "_syncfs", lambda fd: (events.append("sync"), real_syncfs(fd))[1])
+    monkeypatch.setattr(os, "fsync", lambda fd: (events.append("sync"), real_fsync(fd))[1])
+    monkeypatch.setattr(os, "link", lambda a, b, *x, **k: (events.append(f"link {Path(b).parent.name}"),
+                                                            real_link(a, b, *x, **k))[1])
+    monkeypatch.setattr(os, "mkdir", lambda p, *a, **k: (events.append(f"mkdir {Path(p).name}"),
+                                                          real_mkdir(p, *a, **k))[1])
+    root = tmp_path / "deep" / "vault"
+    w = torch.randn(300_000)
+    ckptvault.save({"w": w, "step": 1}, root, step=1)
+    assert events.count("sync") == 5
+    manifest_link = events.index("link manifests")
+    assert events[manifest_link + 1:] == ["sync"] and events[manifest_link - 1] == "sync"
+    last_mkdir = max(i for i, e in enumerate(events) if e.startswith("mkdir"))
+    assert "sync" in events[last_mkdir:manifest_link]
+    assert "sync" in events[events.index("link vault"):events.index("mkdir manifests")]  # vault.json named durably
+    assert torch.equal(ckptvault.load(root, 1)["w"], w)
 
 
 def test_a_save_syncs_its_chunks_names_and_then_its_manifest(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

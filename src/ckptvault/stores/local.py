@@ -9,8 +9,9 @@ systems such as NFS (v3+), CephFS, Lustre and CFS provide:
 
 Every write goes to a uniquely named temporary file under ``<root>/tmp/``,
 is fsynced, then renamed or linked into place, then the parent directory is
-fsynced. A crash leaves at most stray files in ``tmp/``, never a partial
-object under its final name.
+fsynced (where the write made folders for it, one ``syncfs`` makes all the new
+names durable instead). A crash leaves at most stray files in ``tmp/``, never a
+partial object under its final name.
 
 A save's chunks go through a :class:`LocalWriteBatch` on Linux: each is
 written to its temporary file without a sync, then at the end of the save one
@@ -366,23 +367,33 @@ class LocalStore(Store):
         if stat.S_ISREG(st.st_mode) or not inside:
             yield key, st
 
-    def _ensure_dir(self, path: Path, durable: bool = False) -> None:
-        """Make folder ``path`` (and its parents). ``durable``: also fsync the parent of each folder this made,
-        so the new folders' names survive a crash as the object put into them does (a write batch's ``syncfs``
-        covers the folders its chunks go into)."""
+    def _ensure_dir(self, path: Path) -> list[Path]:
+        """Make folder ``path`` (and its parents); the folders this made, innermost first. Their names are not
+        synced: a caller whose object must survive a crash makes them durable with it (:meth:`_sync_names`; a
+        write batch's ``syncfs`` covers them)."""
         if path in self._made_dirs:
-            return
+            return []
         with _classified(str(path)):
             missing = []
-            if durable:
-                folder = path
-                while not folder.exists() and folder.parent != folder:
-                    missing.append(folder)
-                    folder = folder.parent
+            folder = path
+            while not folder.exists() and folder.parent != folder:
+                missing.append(folder)
+                folder = folder.parent
             path.mkdir(parents=True, exist_ok=True)
-            for made in reversed(missing):
-                _fsync_dir(made.parent)
         self._made_dirs.add(path)
+        return missing
+
+    def _sync_names(self, folder: Path, made: list[Path]) -> None:
+        """Make the name just linked into ``folder`` durable, and the names of the folders ``made`` for it: an
+        fsync of ``folder`` alone, or where folders were made, one ``syncfs`` (where there is one) instead of an
+        fsync of each folder that holds a new name."""
+        if not made:
+            _fsync_dir(folder)
+        elif _syncfs is not None:
+            _syncfs_at(self.root, self.url)
+        else:
+            for path in [folder, *(m.parent for m in made)]:
+                _fsync_dir(path)
 
     def write_unsynced(self, parts: list[Any], final: Path) -> Path:
         """A new temp file for ``final`` holding the concatenated ``parts`` (buffers), written back but not
@@ -468,7 +479,7 @@ class LocalStore(Store):
         with _classified(key):
             self._ready()
             self._check_folder(key, final)
-        self._ensure_dir(final.parent, durable=True)
+        made = self._ensure_dir(final.parent)
         tmp = self._write_temp(data, final)
         try:
             with _classified(str(final)):
@@ -476,13 +487,13 @@ class LocalStore(Store):
         except BaseException:
             _unlink_quietly(tmp)
             raise
-        _fsync_dir(final.parent)
+        self._sync_names(final.parent, made)
 
     def put_if_absent(self, key: str, data: bytes | memoryview) -> bool:
         if self.exists(key):
             return False
         final = self._path(key)
-        self._ensure_dir(final.parent, durable=True)
+        made = self._ensure_dir(final.parent)
         tmp = self._write_temp(data, final)
         try:
             with _classified(str(final)):  # link(2) can fail with ENOSPC too (tmpfs counts links against inodes)
@@ -493,8 +504,8 @@ class LocalStore(Store):
                     created = False
         finally:
             _unlink_quietly(tmp)
-        if created:
-            _fsync_dir(final.parent)
+        if created or made:
+            self._sync_names(final.parent, made)
         return created
 
     def write_batch(self) -> WriteBatch:
@@ -629,6 +640,7 @@ class LocalWriteBatch(WriteBatch):
         self._cached: deque[tuple[Path, int]] = deque()  # written, not yet dropped (with drop_behind)
         self._cached_bytes = 0
         self._staged: tuple[Path, Path] | None = None  # stage_final's (temporary file, final path)
+        self._staged_made = False  # whether stage_final made the staged object's folder
 
     def put_if_absent(self, key: str, data: bytes | memoryview) -> bool:
         return self.put_parts_if_absent(key, [data])
@@ -663,14 +675,17 @@ class LocalWriteBatch(WriteBatch):
         with _classified(key):
             self.local._ready()
             self.local._check_folder(key, final)
-        self.local._ensure_dir(final.parent, durable=True)
+        made = self.local._ensure_dir(final.parent)  # named durably by finish()'s syncfs
         self._staged = (self.local._write_temp(data, final, sync=False), final)
+        self._staged_made = bool(made)
 
     def finish(self) -> None:
         with self._lock:
             pending, self._pending = self._pending, []
         if not pending:
-            if self._staged is not None:  # nothing else to sync: its fsync, not a sync of the whole file system
+            if self._staged_made:  # the new folder's name too
+                self._sync()
+            elif self._staged is not None:  # nothing else to sync: its fsync, not a sync of the whole file system
                 with _classified(str(self._staged[1])):
                     _fsync_file(self._staged[0])
             return
@@ -729,15 +744,20 @@ class LocalWriteBatch(WriteBatch):
             _unlink_quietly(tmp)
 
     def _sync(self) -> None:
-        assert _syncfs is not None
-        with _classified(self.local.url):
-            fd = os.open(self.local.root, os.O_RDONLY)
-            try:
-                if _syncfs(fd) != 0:
-                    code = ctypes.get_errno()
-                    raise OSError(code, os.strerror(code))
-            finally:
-                os.close(fd)
+        _syncfs_at(self.local.root, self.local.url)
+
+
+def _syncfs_at(root: Path, url: str) -> None:
+    """``syncfs(2)`` of the file system holding ``root``; an error is classified as one of the store at ``url``."""
+    assert _syncfs is not None
+    with _classified(url):
+        fd = os.open(root, os.O_RDONLY)
+        try:
+            if _syncfs(fd) != 0:
+                code = ctypes.get_errno()
+                raise OSError(code, os.strerror(code))
+        finally:
+            os.close(fd)
 
 
 def _linux_call(name: str, argtypes: list[type], minimum: tuple[int, int]):  # type: ignore[no-untyped-def]
