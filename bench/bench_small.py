@@ -13,7 +13,10 @@ round-robin, so the machine's load falls on all of them alike):
   - ``ckptvault.save()``: the one-liner (open the vault, create it, save synchronously, close);
   - ``manager, sync``: ``CheckpointManager(d, async_save=False)`` opened before the clock starts, then ``save()``;
   - ``manager, async``: a default manager opened before the clock, ``save()`` then ``handle.wait()``; the time
-    ``save()`` blocked is reported too.
+    ``save()`` blocked is reported too;
+  - ``into its vault``: the same two managers kept open for the whole run, each saving the next step into its own
+    vault, as a training job does. Every float tensor of the state is scaled by ``1 + 2**-20`` before each
+    repetition (outside the clocks, for every variant), so each such save finds no chunk stored already.
 
 * **fresh process** (one new interpreter per repetition; the state is loaded from ``state.pt`` before the clock):
 
@@ -24,8 +27,10 @@ round-robin, so the machine's load falls on all of them alike):
     against ``ckptvault.load(d)`` with and without ``import ckptvault`` in the timed span;
   - both again "gc settled": with ``gc.collect()`` run before the clock starts. Importing torch leaves a full
     collection of its ~170k objects due, and whichever code next allocates some thousand objects pays it (0.1 to
-    0.5 s here): ckptvault's manifest parse does, torch.load of this state mostly does not. The settled rows
-    show each side without that debt; the plain rows are what a script that does only this sees.
+    0.5 s here). A restore pauses the collector, so neither side pays it inside the restore unless torch.load
+    happens to allocate enough; the settled rows show each side without that debt; the plain rows are what a
+    script that does only this sees, and the "then the collection due" rows add the ``gc.collect()`` that
+    follows the restore in the same child, which pays the debt wherever it was left.
 
 Run from the repository root::
 
@@ -144,7 +149,9 @@ _LOAD_TORCH = _CHILD_PRELUDE + """
 t0 = time.perf_counter()
 state = torch.load({src!r}, weights_only=True)
 t1 = time.perf_counter()
-print(json.dumps({{"import": 0.0, "op": t1 - t0}}))
+import gc; gc.collect()
+t2 = time.perf_counter()
+print(json.dumps({{"import": 0.0, "op": t1 - t0, "collect": t2 - t1}}))
 """
 
 _LOAD_VAULT = _CHILD_PRELUDE + """
@@ -154,7 +161,9 @@ import ckptvault
 t1 = time.perf_counter()
 state = ckptvault.load({src!r})
 t2 = time.perf_counter()
-print(json.dumps({{"import": t1 - t0, "op": t2 - t1, "numba": "numba" in sys.modules}}))
+import gc; gc.collect()
+t3 = time.perf_counter()
+print(json.dumps({{"import": t1 - t0, "op": t2 - t1, "collect": t3 - t2, "numba": "numba" in sys.modules}}))
 """
 
 
@@ -199,10 +208,21 @@ def timed(fn: Callable[[], Any]) -> float:
     return time.perf_counter() - t0
 
 
-def warm_round(state: Any, runs: Runs) -> None:
-    """One repetition of every in-process save variant."""
+def perturb(state: Any) -> None:
+    """Scale every float tensor of ``state`` by ``1 + 2**-20`` in place: new bytes in every chunk."""
+    for value in state.values() if isinstance(state, dict) else state:
+        if isinstance(value, torch.Tensor) and value.is_floating_point():
+            value.mul_(1 + 2**-20)
+        elif isinstance(value, (dict, list, tuple)):
+            perturb(value)
+
+
+def warm_round(state: Any, runs: Runs, kept: dict[str, Any], step: int) -> None:
+    """One repetition of every in-process save variant; ``kept``: the managers kept open ("sync", "async"), which
+    save ``step`` into their vaults."""
     import ckptvault
 
+    perturb(state)
     dest = scratch("torch")
     runs.add("warm torch.save + fsync", timed(lambda: torch_save_durable(state, dest)))
 
@@ -222,6 +242,15 @@ def warm_round(state: Any, runs: Runs) -> None:
         t2 = time.perf_counter()
         runs.add("warm manager, async: save() blocked", t1 - t0)
         runs.add("warm manager, async: until durable", t2 - t0)
+
+    runs.add(f"{INTO_ITS_VAULT}, sync", timed(lambda: kept["sync"].save(step, state)))
+    t0 = time.perf_counter()
+    handle = kept["async"].save(step, state)
+    t1 = time.perf_counter()
+    handle.wait()
+    t2 = time.perf_counter()
+    runs.add(f"{INTO_ITS_VAULT}, async: save() blocked", t1 - t0)
+    runs.add(f"{INTO_ITS_VAULT}, async: until durable", t2 - t0)
 
 
 #: what a child runs before its clock starts in the "gc settled" variant: the full collection that importing torch
@@ -251,22 +280,28 @@ def fresh_round(runs: Runs, src: Path, vault: Path) -> None:
         runs.add(f"fresh restore{suffix}: torch.load", r["op"])
         if not settle:
             runs.add("fresh restore process: torch.load", r["process"])
+            runs.add(f"{THEN_COLLECT}: torch.load", r["op"] + r["collect"])
 
         r = run_child(_LOAD_VAULT.format(bench=bench, src=str(vault), settle=settle))
         runs.add(f"fresh restore{suffix}: ckptvault.load()", r["op"])
         runs.add(f"fresh restore{suffix}: import ckptvault + ckptvault.load()", r["import"] + r["op"])
         if not settle:
             runs.add("fresh restore process: ckptvault.load()", r["process"])
+            runs.add(f"{THEN_COLLECT}: ckptvault.load()", r["op"] + r["collect"])
         runs.flags.setdefault("numba after load", set()).add(r["numba"])
 
 
-# (row, measured, peer it is compared with)
+THEN_COLLECT = "fresh restore, then the collection due"
+INTO_ITS_VAULT = "warm manager into its vault"
+
+
 def _rows() -> list[tuple[str, str | None]]:
     """(row, the peer it is compared with, or None for a peer)."""
     rows: list[tuple[str, str | None]] = [("warm torch.save + fsync", None)]
     rows += [(name, "warm torch.save + fsync") for name in (
         "warm ckptvault.save()", "warm manager, sync", "warm manager, async: until durable",
-        "warm manager, async: save() blocked")]
+        "warm manager, async: save() blocked", f"{INTO_ITS_VAULT}, sync", f"{INTO_ITS_VAULT}, async: until durable",
+        f"{INTO_ITS_VAULT}, async: save() blocked")]
     for suffix in ("", " (gc settled)"):
         peer = f"fresh save{suffix}: torch.save + fsync"
         rows += [(peer, None), (f"fresh save{suffix}: ckptvault.save()", peer),
@@ -277,6 +312,8 @@ def _rows() -> list[tuple[str, str | None]]:
         peer = f"fresh restore{suffix}: torch.load"
         rows += [(peer, None), (f"fresh restore{suffix}: ckptvault.load()", peer),
                  (f"fresh restore{suffix}: import ckptvault + ckptvault.load()", peer)]
+    rows += [(f"{THEN_COLLECT}: torch.load", None),
+             (f"{THEN_COLLECT}: ckptvault.load()", f"{THEN_COLLECT}: torch.load")]
     rows += [("fresh restore process: torch.load", None),
              ("fresh restore process: ckptvault.load()", "fresh restore process: torch.load")]
     return rows
@@ -330,14 +367,18 @@ def main() -> None:
     ckptvault.save(state, vault, step=1)
 
     runs = Runs()
+    kept = {"sync": ckptvault.CheckpointManager(scratch("kept-sync"), async_save=False),
+            "async": ckptvault.CheckpointManager(scratch("kept-async"))}
     if "warm" in parts:
-        warm_round(state, Runs())  # warm-up: imports, first kernels, allocator
+        warm_round(state, Runs(), kept, 0)  # warm-up: imports, first kernels, allocator
     for i in range(args.runs):
         if "warm" in parts:
-            warm_round(state, runs)
+            warm_round(state, runs, kept, i + 1)
         if "fresh" in parts:
             fresh_round(runs, src, vault)
         print(f"run {i + 1}/{args.runs} done", file=sys.stderr)
+    for mgr in kept.values():
+        mgr.close()
 
     command = " ".join(["`.venv/bin/python", "bench/bench_small.py", *sys.argv[1:]]) + "`"
     info = machine()
