@@ -28,6 +28,7 @@ from ._format.chunk_object import chunk_id, chunk_key, decode_payload, header_le
 from ._format.manifest import decode_manifest, manifest_key, parse_json, step_of_key
 from ._format.records import Descriptor, Manifest
 from ._format.schema import MAX_CHUNK_SIZE, MIN_CHUNK_SIZE, check_descriptor
+from ._parallel import started_pool
 from .errors import (
     CorruptChunkError,
     CorruptManifestError,
@@ -186,7 +187,7 @@ class Vault:
     def pool(self) -> ThreadPoolExecutor:
         with self._pool_lock:
             if self._pool is None:
-                self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="ckptvault")
+                self._pool = started_pool(self.workers, "ckptvault")
             return self._pool
 
     def close(self) -> None:
