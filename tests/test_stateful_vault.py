@@ -243,6 +243,12 @@ class HoldingBatch:
     def abandon(self) -> None:
         self.inner.abandon()
 
+    def stage_final(self, key: str, data: bytes) -> None:
+        self.inner.stage_final(key, data)
+
+    def publish_final(self, overwrite: bool = False) -> bool:
+        return self.inner.publish_final(overwrite)
+
     def finish(self) -> None:
         self.inner.finish()
         hold = self.machine.pending.hold if self.machine.pending is not None else None

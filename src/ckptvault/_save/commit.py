@@ -133,15 +133,16 @@ def commit(vault: Vault, step: int, manifest: Manifest, overwrite: bool, guard: 
     period, which a reused chunk, a delta base whose keyframe was pruned, or a
     chunk written early in a save longer than the grace period could be. A
     missing one fails the save with nothing committed; the save may be retried.
-    First, ``guard`` touches the chunks the save reused untouched if a manifest
-    it relied on changed meanwhile (``_save/guard.py``).
+    Before that check (and after the batch is finished), ``guard`` touches the
+    chunks the save reused untouched if a manifest it relied on changed
+    meanwhile (``_save/guard.py``).
     """
     batch = batch or vault.store.write_batch()
     try:
-        if guard is not None:
-            guard.ensure(vault.store, vault.pool)
         batch.stage_final(manifest_key(step), encode_manifest(manifest))
         finish_batch(batch)
+        if guard is not None:
+            guard.ensure(vault.store, vault.pool)
         needed = sorted({c.id for c in manifest.chunks} | {c.base for c in manifest.chunks if c.base})
         missing = missing_chunks(vault, needed)
         if missing:
