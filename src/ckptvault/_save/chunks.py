@@ -90,8 +90,8 @@ def write_chunks(vault: Vault, snapshot: Snapshot, progress: Progress | None = N
                  ) -> tuple[list[ChunkResult], list[list[Piece]]]:
     """Write every chunk of ``snapshot`` the vault lacks. Returns chunk results and per-leaf pieces.
 
-    ``batch``: the caller's, left unfinished (``commit(..., batch)`` finishes it); abandoned if this raises.
-    None: a batch of this call's own, finished before it returns.
+    ``batch``: the caller's, which the caller finishes (``commit(..., batch)``) or abandons, also if this raises.
+    None: a batch of this call's own, finished before it returns and abandoned if it raises.
     """
     delta = delta or DeltaContext()
     chunk_size = vault.require().chunk_size
@@ -102,10 +102,11 @@ def write_chunks(vault: Vault, snapshot: Snapshot, progress: Progress | None = N
     batch = batch or vault.store.write_batch()
     progress = metered(progress, sum(plan.nbytes for plan in plans))  # every chunk is reported, new or not
     writer = _ChunkWriter(vault, snapshot, progress, delta, batch)
+    if not own:
+        return map_all(vault.pool, writer.write, plans, bases), pieces
     try:
         results = map_all(vault.pool, writer.write, plans, bases)
-        if own:
-            finish_batch(batch)  # every new chunk durable and visible before commit() names it
+        finish_batch(batch)  # every new chunk durable and visible before commit() names it
     except BaseException:
         batch.abandon()
         raise

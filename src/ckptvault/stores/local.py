@@ -475,35 +475,42 @@ class LocalStore(Store):
             return f.read(length)
 
     def put(self, key: str, data: bytes | memoryview) -> None:
-        final = self._path(key)
-        with _classified(key):
-            self._ready()
-            self._check_folder(key, final)
+        final = self._checked_path(key)
         made = self._ensure_dir(final.parent)
-        tmp = self._write_temp(data, final)
-        try:
-            with _classified(str(final)):
-                os.replace(tmp, final)
-        except BaseException:
-            _unlink_quietly(tmp)
-            raise
-        self._sync_names(final.parent, made)
+        self._place(self._write_temp(data, final), final, made, overwrite=True)
 
     def put_if_absent(self, key: str, data: bytes | memoryview) -> bool:
         if self.exists(key):
             return False
         final = self._path(key)
         made = self._ensure_dir(final.parent)
-        tmp = self._write_temp(data, final)
+        return self._place(self._write_temp(data, final), final, made, overwrite=False)
+
+    def _checked_path(self, key: str) -> Path:
+        """The path of ``key``, its folder checked for links leading outside the vault."""
+        final = self._path(key)
+        with _classified(key):
+            self._ready()
+            self._check_folder(key, final)
+        return final
+
+    def _place(self, tmp: Path, final: Path, made: list[Path], overwrite: bool) -> bool:
+        """Put synced temporary file ``tmp`` in place as ``final``: renamed over it (``overwrite``) or linked,
+        create-if-absent (False: an object was there, and is left as it was); ``tmp`` is removed either way. The
+        new name is made durable, with the names of the folders ``made`` for it (:meth:`_sync_names`)."""
         try:
             with _classified(str(final)):  # link(2) can fail with ENOSPC too (tmpfs counts links against inodes)
-                try:
-                    os.link(tmp, final)
+                if overwrite:
+                    os.replace(tmp, final)
                     created = True
-                except FileExistsError:  # a concurrent writer won; inside _classified, which would wrap it
-                    created = False
+                else:
+                    try:
+                        os.link(tmp, final)
+                        created = True
+                    except FileExistsError:  # a concurrent writer won; inside _classified, which would wrap it
+                        created = False
         finally:
-            _unlink_quietly(tmp)
+            _unlink_quietly(tmp)  # after a rename, already gone
         if created or made:
             self._sync_names(final.parent, made)
         return created
@@ -671,10 +678,7 @@ class LocalWriteBatch(WriteBatch):
             _drop_cached(path)
 
     def stage_final(self, key: str, data: bytes) -> None:
-        final = self.local._path(key)
-        with _classified(key):
-            self.local._ready()
-            self.local._check_folder(key, final)
+        final = self.local._checked_path(key)
         made = self.local._ensure_dir(final.parent)  # named durably by finish()'s syncfs
         self._staged = (self.local._write_temp(data, final, sync=False), final)
         self._staged_made = bool(made)
@@ -718,22 +722,7 @@ class LocalWriteBatch(WriteBatch):
         if self._staged is None:
             raise RuntimeError("publish_final() without stage_final(): nothing is staged")
         (tmp, final), self._staged = self._staged, None
-        try:
-            with _classified(str(final)):
-                if overwrite:
-                    os.replace(tmp, final)
-                    created = True
-                else:
-                    try:
-                        os.link(tmp, final)
-                        created = True
-                    except FileExistsError:  # inside _classified, which would wrap it
-                        created = False
-        finally:
-            _unlink_quietly(tmp)
-        if created:
-            _fsync_dir(final.parent)
-        return created
+        return self.local._place(tmp, final, [], overwrite)  # finish() synced its bytes and any new folder's name
 
     def abandon(self) -> None:
         with self._lock:
