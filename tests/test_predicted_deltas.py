@@ -331,3 +331,74 @@ def test_a_manifest_with_a_chain_encodes_as_its_json_body_does(tmp_path):
         assert len(manifest.chain) == 3
         assert encode_manifest(manifest) == encode_manifest(manifest.to_json())  # the chain's text is spliced in
         assert mgr.vault.store.get(manifest_key(4)) == encode_manifest(manifest)
+
+
+def test_a_convincing_first_candidate_ends_the_pairing_trial(tmp_path, monkeypatch):
+    """Where state order already names the right array first, one trial per parameter settles its pairing; the
+    lookalikes after it are not tried, and the pairing stays right."""
+    from ckptvault._delta import predict as predict_module
+
+    trials = []
+    real = predict_module.predict
+    monkeypatch.setattr(predict_module, "predict", lambda op, *rest: trials.append(op) or real(op, *rest))
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    frozen = copy.deepcopy(model.state_dict())  # same shapes, after the model in state order, never updated
+    saved = {}
+    with CheckpointManager(tmp_path / "v", async_save=False, delta=DeltaOptions(predict=True)) as mgr:
+        for step in (1, 2, 3):
+            model(torch.randint(0, 100, (4, 3))).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            saved[step] = copy.deepcopy({"model": model.state_dict(), "optimizer": opt.state_dict(), "z_frozen": frozen})
+            mgr.save(step, saved[step])
+        params = [t for t in mgr.manifest(3)["tensors"] if t.get("predict", {}).get("op") == "adam-param-1"]
+        assert sorted(t["path"] for t in params) == sorted(f"model.{k}" for k in saved[3]["model"])
+        assert all(i[2].startswith("model.") for t in params for i in t["predict"]["inputs"] if i[0] == "p0")
+        assert trials == ["adam-param-1"] * (2 * len(params))  # steps 2 and 3, one trial per parameter
+        _assert_same(mgr.restore(3), saved[3])
+
+
+def test_blocks_whose_prediction_does_not_pay_are_stored_as_they_are(tmp_path):
+    """A parameter changed outside the optimizer step in one block (reset to a constant) keeps that block raw
+    (``raw_blocks``); the other blocks stay predicted, and the restore is exact."""
+    torch.manual_seed(0)
+    weight = torch.nn.Parameter(torch.randn(3 * (64 << 10) // 4))  # three 64 KiB blocks
+    opt = torch.optim.SGD([weight], lr=0.1, momentum=0.9)
+    saved = {}
+    with CheckpointManager(tmp_path / "v", chunk_size=64 << 10, async_save=False,
+                           delta=DeltaOptions(predict=True)) as mgr:
+        for step in (1, 2):
+            (weight * torch.randn(weight.shape)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            if step == 2:
+                with torch.no_grad():
+                    weight[16384:32768] = 0.5  # block 1: nothing the momentum predicts
+            saved[step] = copy.deepcopy({"model": {"w": weight.detach()}, "optimizer": opt.state_dict()})
+            mgr.save(step, saved[step])
+        record = next(t for t in mgr.manifest(2)["tensors"] if t["path"] == "model.w")
+        assert record["predict"]["op"] == "sgd-param-1" and record["predict"]["raw_blocks"] == [1]
+        _assert_same(mgr.restore(2), saved[2])
+
+
+def test_a_residual_that_stores_in_almost_nothing_is_not_weighed_against_its_block():
+    """The block estimate is skipped for a residual of (almost) only zero bytes, and made otherwise: a
+    compressible block beside a random residual is kept raw."""
+    import numpy as np
+
+    from ckptvault._delta import predict as predict_module
+
+    block = 64 << 10
+    actual = np.zeros(2 * block // 4, dtype=np.float32)
+    residual = np.zeros_like(actual)
+    residual[block // 4:] = np.random.default_rng(0).standard_normal(block // 4, dtype=np.float32)
+    assert predict_module._raw_blocks(actual, residual, block) == [1]
+    estimated = []
+    real = predict_module._estimate
+    try:
+        predict_module._estimate = lambda sample, itemsize: estimated.append(len(sample)) or real(sample, itemsize)
+        assert predict_module._raw_blocks(actual, np.zeros_like(actual), block) == []
+    finally:
+        predict_module._estimate = real
+    assert estimated == [predict_module.SAMPLE] * 2  # the residual's estimate of each block, never the block's

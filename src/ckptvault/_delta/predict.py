@@ -29,7 +29,7 @@ from .optimizers import ParamSlot, find_slots
 log = logging.getLogger(__name__)
 
 #: bytes of a block sampled to judge whether its prediction pays (a zstd-1 estimate of each form)
-SAMPLE = 1 << 16
+SAMPLE = 1 << 14
 #: blocks smaller than this are judged by their count of non-zero bytes (too little for zstd to say)
 SMALL = 4096
 _ESTIMATOR = zstandard.ZstdCompressor(level=1)
@@ -180,20 +180,26 @@ def _plans(snapshot: Snapshot, slots: dict[tuple[str, int], ParamSlot], kept: _K
 PARAMETER_OPS = ("adam-param-1", "sgd-param-1", "sgd-nesterov-1")
 #: elements of each candidate a parameter's prediction is tried on, where several model arrays could be it
 TRIAL = 256
+#: a candidate whose prediction matches this many of the TRIAL elements is taken without trying the others: only
+#: an array equal to it on those elements could match as well (the rest differ in a few last bits, from sqrt)
+CONVINCING = TRIAL - TRIAL // 32
 
 
 def _best_pairing(plan: tuple[str, str, tuple[PredictInput, ...], dict[str, float]], candidates: list[str],
                   current: dict[str, np.ndarray], kept: _Kept) -> tuple[str, str, tuple[PredictInput, ...], dict[str, float]]:
     """The parameter plan for whichever candidate array its prediction matches best on the first elements."""
     _path, op, inputs, scalars = plan
+    moments = {i.path for i in inputs if i.role != "p0"}
+    trial = {i.role: (current if i.level == 0 else kept.arrays)[i.path][:TRIAL] for i in inputs if i.role != "p0"}
     scores = []
     for candidate in candidates:
-        if candidate in {i.path for i in inputs if i.role != "p0"}:
+        if candidate in moments:
             scores.append(-1)
             continue
-        trial = {i.role: (kept.arrays[candidate] if i.role == "p0" else
-                          (current if i.level == 0 else kept.arrays)[i.path])[:TRIAL] for i in inputs}
+        trial["p0"] = kept.arrays[candidate][:TRIAL]
         scores.append(int(np.count_nonzero(predict(op, trial, scalars) == current[candidate][:TRIAL])))
+        if scores[-1] >= min(CONVINCING, len(trial["p0"])):
+            break
     best = candidates[scores.index(max(scores))]
     return best, op, tuple(PredictInput(i.role, i.level, best) if i.role == "p0" else i for i in inputs), scalars
 
@@ -258,7 +264,8 @@ def _caster(dtype: np.dtype) -> Callable[[float], float]:
 
 def _raw_blocks(actual: np.ndarray, residual: np.ndarray, block: int) -> list[int]:
     """Blocks (of ``block`` bytes) whose residual a zstd-1 estimate on a sample of each form says stores larger
-    than the block itself."""
+    than the block itself. A residual that stores in a 64th of its sample is kept without estimating the block:
+    the most the block could store smaller is that 64th."""
     raw_bytes, res_bytes = actual.view(np.uint8), residual.view(np.uint8)
     out = []
     for k, start in enumerate(range(0, len(raw_bytes), block)):
@@ -266,7 +273,8 @@ def _raw_blocks(actual: np.ndarray, residual: np.ndarray, block: int) -> list[in
         mid = start + max(0, (end - start - SAMPLE) // 2)
         mid -= mid % actual.itemsize
         stop = min(end, mid + SAMPLE)
-        if _estimate(res_bytes[mid:stop], actual.itemsize) > _estimate(raw_bytes[mid:stop], actual.itemsize):
+        estimate = _estimate(res_bytes[mid:stop], actual.itemsize)
+        if estimate * 64 > stop - mid and estimate > _estimate(raw_bytes[mid:stop], actual.itemsize):
             out.append(k)
     return out
 
@@ -277,8 +285,8 @@ def _estimate(sample: np.ndarray, itemsize: int) -> int:
     if len(sample) < SMALL:
         return int(np.count_nonzero(sample))
     usable = len(sample) - len(sample) % itemsize
-    planes = sample[:usable].reshape(-1, itemsize).T.copy()
-    return len(_ESTIMATOR.compress(planes.tobytes()))
+    planes = np.ascontiguousarray(sample[:usable].reshape(-1, itemsize).T)
+    return len(_ESTIMATOR.compress(planes.data))
 
 
 def _restore_blocks(residual: np.ndarray, actual: np.ndarray, blocks: list[int], block: int) -> None:
