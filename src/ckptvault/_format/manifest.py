@@ -49,11 +49,9 @@ def encode_manifest(body: dict[str, Any] | Manifest) -> bytes:
 def _manifest_text(manifest: Manifest) -> str:
     """``json.dumps`` of ``manifest.to_json()``, its restore chain (the last field) spliced in from each level's
     text made once (a chain passes from manifest to manifest and grows with it)."""
-    body = manifest.to_json()
+    head = json.dumps(manifest.to_json(chain=False), separators=(",", ":"), ensure_ascii=False, allow_nan=False)
     if not manifest.chain:
-        return json.dumps(body, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
-    del body["chain"]
-    head = json.dumps(body, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+        return head
     return f'{head[:-1]},"chain":[{",".join(level.json_text for level in manifest.chain)}]}}'
 
 

@@ -230,8 +230,8 @@ class Manifest:
         """Each chunk id this checkpoint names -> the full chunk it is a delta against (None for a full chunk)."""
         return {c.id: c.base for c in self.chunks}
 
-    def to_json(self) -> dict[str, Any]:
-        """The manifest body, keys in the order the format writes them."""
+    def to_json(self, chain: bool = True) -> dict[str, Any]:
+        """The manifest body, keys in the order the format writes them (without ``"chain"`` when not ``chain``)."""
         from .schema import MANIFEST_FORMAT  # the schema imports this module
 
         out: dict[str, Any] = {"format": MANIFEST_FORMAT, "version": self.version, "step": self.step, "time": self.time}
@@ -244,7 +244,7 @@ class Manifest:
                     "chunks": [c.to_json() for c in self.chunks]})
         if self.requires:
             out["requires"] = list(self.requires)
-        if self.chain:
+        if self.chain and chain:
             out["chain"] = [level.to_json() for level in self.chain]
         return out
 
