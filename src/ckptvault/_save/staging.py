@@ -23,6 +23,9 @@ from .._arrays import ndarray_bytes, plain_cpu, tensor_bytes
 log = logging.getLogger(__name__)
 
 ALIGN = 64
+#: CPU tensors from this size on are copied by torch on its intra-op threads, smaller ones by numpy in this thread:
+#: waking the intra-op threads costs more than copying a small tensor, and far more when they sleep between ops
+PARALLEL_COPY = 1 << 20
 
 
 def aligned_offsets(sizes: list[int]) -> tuple[list[int], int]:
@@ -70,22 +73,29 @@ class StagingBuffer:
         """
         offsets, total = aligned_offsets(sizes)
         buffer = self.acquire(total, pinned=any(kind == "torch" and value.device.type == "cuda" for kind, value in values))
+        flat = buffer.numpy()
         gpus: set[torch.device] = set()
         views = []
         for (kind, value), offset, size in zip(values, offsets, sizes, strict=True):
-            region = buffer[offset : offset + size]
-            if size and kind == "torch" and plain_cpu(value):  # as bytes: uint1..7/int1..7 have no copy kernel
-                # torch's copy runs on the intra-op threads: faster than np.copyto when other processes load the CPU
-                region.copy_(torch.from_numpy(np.frombuffer(tensor_bytes(value.detach()), dtype=np.uint8)))
-            elif size and kind == "torch":
-                target = region.view(value.dtype).view(value.shape)
+            if not size:
+                views.append(memoryview(b""))
+                continue
+            region = flat[offset : offset + size]
+            if kind == "torch" and plain_cpu(value):  # as bytes: uint1..7/int1..7 have no copy kernel
+                source = np.frombuffer(tensor_bytes(value.detach()), dtype=np.uint8)
+                if size >= PARALLEL_COPY:  # faster than np.copyto when other processes load the CPU
+                    torch.from_numpy(region).copy_(torch.from_numpy(source))
+                else:
+                    np.copyto(region, source)
+            elif kind == "torch":
+                target = buffer[offset : offset + size].view(value.dtype).view(value.shape)
                 cuda = value.device.type == "cuda"
                 target.copy_(value.detach(), non_blocking=cuda)
                 if cuda:
                     gpus.add(value.device)
-            elif size:
-                np.copyto(region.numpy(), np.frombuffer(ndarray_bytes(value), dtype=np.uint8))
-            views.append(region.numpy().data if size else memoryview(b""))
+            else:
+                np.copyto(region, np.frombuffer(ndarray_bytes(value), dtype=np.uint8))
+            views.append(region.data)
         for gpu in gpus:
             torch.cuda.synchronize(gpu)
         return views
