@@ -138,16 +138,19 @@ def test_numpy_loops_match_the_kernels_across_blocks(typesize: int) -> None:
 
 def _collections_inside_ckptvault(run: Callable[[], object]) -> tuple[list[str], object]:
     """``run()`` with a collection due at every allocation; the ckptvault functions any automatic collection
-    interrupted (none, when the restore pauses the collector), and what ``run`` returned."""
+    interrupted (each as its ckptvault frames, innermost first: ``module/path.py:function < ...``; none, when the
+    restore pauses the collector), and what ``run`` returned."""
     interrupted: list[str] = []
 
     def on_collection(phase: str, info: dict) -> None:
-        frame = sys._getframe(1)
+        frame, stack = sys._getframe(1), []
         while frame is not None:
             if f"{os.sep}ckptvault{os.sep}" in frame.f_code.co_filename:
-                interrupted.append(frame.f_code.co_name)
-                return
+                where = frame.f_code.co_filename.rsplit(f"{os.sep}ckptvault{os.sep}", 1)[1].replace(os.sep, "/")
+                stack.append(f"{where}:{frame.f_code.co_name}")
             frame = frame.f_back
+        if stack:
+            interrupted.append(" < ".join(stack))
 
     gc.collect()
     threshold = gc.get_threshold()
@@ -205,3 +208,64 @@ def test_restores_keep_the_collector_as_the_process_set_it(tmp_path: Path) -> No
     with pytest.raises(ckptvault.errors.StepNotFoundError):
         ckptvault.load(tmp_path / "v", step=2)
     assert gc.isenabled()
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_saves_run_no_collection_inside_and_the_one_due_at_their_end(tmp_path: Path, async_save: bool) -> None:
+    """From the snapshot to the commit (predictions and the write included) a save runs no automatic collection,
+    so its temporaries die before the collector sees them; the collection that is due runs where the save ends
+    (``resume``), so back-to-back saves never hold collection off."""
+    import torch
+
+    from ckptvault import CheckpointManager, DeltaOptions
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    expected = {}
+    with CheckpointManager(tmp_path / "v", async_save=async_save, delta=DeltaOptions(predict=True)) as mgr:
+        def train_and_save() -> None:
+            for step in range(1, 5):
+                model(torch.randn(8, 16)).sum().backward()
+                opt.step()
+                opt.zero_grad()
+                mgr.save(step, {"model": model.state_dict(), "optimizer": opt.state_dict()})
+                mgr.wait()
+                expected[step] = {k: v.clone() for k, v in model.state_dict().items()}
+
+        interrupted, _ = _collections_inside_ckptvault(train_and_save)
+        assert gc.isenabled()
+        paused = ("_save/snapshot.py:take_snapshot", "_save/pipeline.py:_run")
+        assert [w for w in interrupted if any(span in w for span in paused)] == []
+        assert any(w.startswith("_collector.py:resume < _save/pipeline.py:") for w in interrupted)
+        assert any(t.get("predict") for t in mgr.manifest(4)["tensors"])
+        back = mgr.restore(4)
+        assert all(torch.equal(back["model"][k], v) for k, v in expected[4].items())
+
+
+def test_staging_copies_every_kind_of_leaf_exactly() -> None:
+    """The staging buffer holds the exact bytes of small tensors (numpy's copy), large ones (torch's, from
+    PARALLEL_COPY bytes on), tensors that are not plain memory (a transpose, a conjugate), numpy arrays and empty
+    tensors, each at its aligned offset."""
+    import torch
+
+    from ckptvault._arrays import host_contiguous, tensor_bytes
+    from ckptvault._save.staging import PARALLEL_COPY, StagingBuffer, aligned_offsets
+
+    gen = torch.Generator().manual_seed(0)
+    tensors = [torch.randn(7, generator=gen), torch.randn(PARALLEL_COPY // 4 + 3, generator=gen),
+               torch.randn(5, 9, generator=gen).t(), torch.randn(4, dtype=torch.complex64, generator=gen).conj(),
+               torch.arange(11, dtype=torch.int16), torch.empty(0)]
+    arrays = [np.arange(13, dtype=np.float64), np.arange(6, dtype=">i4")]
+    values = [("torch", t) for t in tensors] + [("numpy", a) for a in arrays]
+    sizes = [t.numel() * t.element_size() for t in tensors] + [a.nbytes for a in arrays]
+    staging = StagingBuffer()
+    views = staging.copy_in(values, sizes)
+    expected = [bytes(tensor_bytes(host_contiguous(t))) for t in tensors]
+    expected += [a.astype(a.dtype.newbyteorder("<")).tobytes() for a in arrays]
+    assert [bytes(v) for v in views] == expected
+    offsets, _ = aligned_offsets(sizes)
+    base = staging.acquire(0).numpy()
+    for view, offset, size in zip(views, offsets, sizes, strict=True):
+        if size:
+            assert np.shares_memory(np.frombuffer(view, np.uint8), base[offset:offset + size])

@@ -17,7 +17,7 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-from . import errors
+from . import _collector, errors
 from ._maintenance.copy import CopyPlan, CopyResult, copy_checkpoints
 from ._maintenance.gc import GCPlan, GCResult
 from ._maintenance.prune import PrunePlan, PruneResult
@@ -34,7 +34,6 @@ from ._maintenance.retention import (
     RetentionInfo,
 )
 from ._reports.verify import VerifyReport
-from ._restore import collector as _collector
 from ._restore.live import RestoredObject, RestoreReport
 from ._save.preemption import Preempted
 from ._version import __version__

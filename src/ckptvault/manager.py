@@ -9,6 +9,7 @@ import sys
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+from . import _collector
 from ._argcheck import check_kind, check_progress
 from ._codecs import DEFAULT_CODEC
 from ._codecs.planes import load_if_worth_it, wait_for_kernel_loading
@@ -20,7 +21,6 @@ from ._format.schema import MAX_STEP
 from ._maintenance.mixin import MaintenanceMixin, apply_retention
 from ._maintenance.retention import Policy, Retention
 from ._reports.verify import VerifyReport, verify_steps
-from ._restore import collector as _collector
 from ._restore.live import has_live_objects, restore_live
 from ._restore.tensors import restore_into, restore_tree
 from ._save.commit import check_step, json_fields

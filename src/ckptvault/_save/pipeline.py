@@ -28,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from .. import _collector
 from .._argcheck import check_kind
 from .._codecs.lossy import LossySafety
 from .._delta.policy import DeltaPolicy, KeyframeCache, ManifestCache, delta_context
@@ -94,24 +95,39 @@ class Saver(InFlight):
             warnings.warn(f"skipping the save of step {request.step}: step {self.inflight_step} is still being saved",
                           RuntimeWarning, stacklevel=3)
             return SaveHandle.skipped_save(request.step)
-        self.wait_inflight()
+        self.wait_inflight()  # not paused: the save in flight ends its pause, and a collection due runs then
         self.raise_pending()
         staging = self._staging if self.async_save else None
-        snapshot = take_snapshot(state, rules, allow_pickle, staging, self.max_staging_bytes)
-        if self.async_save and not snapshot.staged:
-            log.warning("step %d needs more staging memory than max_staging_bytes=%s; saving synchronously",
-                        request.step, self.max_staging_bytes)
-        handle = SaveHandle(request.step)
-        handle.staged.set_result(None)
-        if snapshot.staged:
-            self.start(handle, self._complete, handle, request, snapshot)
-        else:
-            self._complete(handle, request, snapshot)
+        _collector.pause()  # the snapshot and the records live until the save ends: no collection meanwhile
+        staged = False
+        try:
+            snapshot = take_snapshot(state, rules, allow_pickle, staging, self.max_staging_bytes)
+            staged = snapshot.staged
+            if self.async_save and not staged:
+                log.warning("step %d needs more staging memory than max_staging_bytes=%s; saving synchronously",
+                            request.step, self.max_staging_bytes)
+            handle = SaveHandle(request.step)
+            handle.staged.set_result(None)
+            if staged:
+                self.start(handle, self._complete, handle, request, snapshot)
+            else:
+                self._complete(handle, request, snapshot)
+        finally:
+            _collector.resume(run_due=not staged)
+        if not staged:
             self.raise_pending()
         return handle
 
     def _complete(self, handle: SaveHandle, request: SaveRequest, snapshot: Snapshot) -> None:
-        """Steps after the snapshot. Never raises: the outcome goes to the handle (and errors to pending)."""
+        """Steps after the snapshot, with the cycle collector paused. Never raises: the outcome goes to the handle
+        (and errors to pending)."""
+        _collector.pause()
+        try:
+            self._run(handle, request, snapshot)
+        finally:
+            _collector.resume(run_due=True)
+
+    def _run(self, handle: SaveHandle, request: SaveRequest, snapshot: Snapshot) -> None:
         try:
             delta = delta_context(self.vault, self.delta_policy, request.step, self._manifests)
             delta.cache = self._keyframe_cache
