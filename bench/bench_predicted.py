@@ -15,7 +15,10 @@ keyframe's.
 Every step (the demo's GPT, AdamW with warmup-cosine and gradient clipping): ``--steps`` training steps with no
 checkpoints, then the same run checkpointed after every step asynchronously with predictions (and without),
 in turns; training throughput against the run without checkpoints, and bytes added per step against
-torch.save of the state. Medians over ``--runs``. Results: stdout (markdown) and
+torch.save of the state. Medians over ``--runs``. The whole comparison runs once per OpenMP wait policy
+(``--omp``), each in a child process, as libgomp reads ``OMP_WAIT_POLICY`` when torch loads: ``passive`` (idle
+intra-op threads sleep) and ``default`` (the variable unset: idle threads spin a while first, and hold both cores
+of this machine throughout a training step). Results: stdout (markdown) and
 ``bench/out/predicted-results.{json,md}``.
 """
 
@@ -25,7 +28,9 @@ import argparse
 import io
 import json
 import logging
+import os
 import statistics
+import subprocess
 import sys
 import time
 from collections import defaultdict
@@ -158,6 +163,25 @@ def every_step(work: Path, steps: int, runs: int, max_chain: int, keyframe_every
             **{f"{m}_ratio": added[m] / reference for m in added}}
 
 
+#: the OpenMP wait policies the every-step run is measured under: the value of OMP_WAIT_POLICY (None: unset)
+OMP_POLICIES = {"passive": "PASSIVE", "default": None}
+
+
+def every_step_per_policy(args: argparse.Namespace) -> dict[str, Any]:
+    """:func:`every_step` in a child process per OpenMP wait policy named by ``--omp``."""
+    out = {}
+    for name in args.omp.split(","):
+        env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+        if OMP_POLICIES[name] is not None:
+            env["OMP_WAIT_POLICY"] = OMP_POLICIES[name]
+        result = args.work / f"every-{name}.json"
+        subprocess.run([sys.executable, __file__, "--every-child", str(result), "--steps", str(args.steps),
+                        "--runs", str(args.runs), "--max-chain", str(args.max_chain),
+                        "--keyframe-every", str(args.keyframe_every), "--work", str(args.work)], env=env, check=True)
+        out[name] = json.loads(result.read_text())
+    return out
+
+
 def check_every(mgr: CheckpointManager, trainer: Trainer) -> None:
     """The last checkpoint (the deepest chain's end, often) restores bit for bit."""
     assert_same_tensors(trainer.state(), mgr.restore(trainer.step))
@@ -178,17 +202,19 @@ def markdown(results: dict[str, Any], meta: dict[str, Any]) -> str:
         cells = [f"{r['by_kind'].get(k, 0) / r['torch_bytes']:.3f} ({r['logical_by_kind'].get(k, 0) / r['torch_bytes']:.2f})"
                  for k in KINDS]
         lines.append(f"| {r['workload']} | " + " | ".join(cells) + " |")
-    e = results.get("every_step")
-    if e:
+    policies = results.get("every_step") or {}
+    for name, e in policies.items():
         lines += ["", f"Every step, demo GPT ({e['torch_bytes'] / 2**20:.2f} MiB state), {e['steps']} steps, async, "
-                  f"keyframe_every={e['keyframe_every']}, max_chain={e['max_chain']}:", "",
+                  f"keyframe_every={e['keyframe_every']}, max_chain={e['max_chain']}, OpenMP wait policy {name} "
+                  f"(OMP_WAIT_POLICY={OMP_POLICIES[name] or 'unset'}):", "",
                   "| checkpoints | training time | throughput vs none | added per step vs torch.save |",
                   "|---|---:|---:|---:|",
                   f"| none | {e['none_s']:.2f} s | 1.00x | - |",
                   f"| every step, XOR deltas | {e['xor_s']:.2f} s | {e['xor_throughput']:.2f}x | {e['xor_ratio']:.3f}x |",
                   f"| every step, predicted | {e['predicted_s']:.2f} s | **{e['predicted_throughput']:.2f}x** "
-                  f"(target >= {THROUGHPUT_TARGET}) | **{e['predicted_ratio']:.3f}x** (target <= {TARGETS['every step']}) |",
-                  "", f"Chain length of each checkpoint: {e['chains']}"]
+                  f"(target >= {THROUGHPUT_TARGET}) | **{e['predicted_ratio']:.3f}x** (target <= {TARGETS['every step']}) |"]
+    if policies:
+        lines += ["", f"Chain length of each checkpoint: {next(iter(policies.values()))['chains']}"]
     lines += ["", f"Machine: {meta['machine']}; command: `{meta['command']}`"]
     return "\n".join(lines)
 
@@ -203,9 +229,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-chain", type=int, default=DeltaOptions().max_chain, help="DeltaOptions.max_chain")
     parser.add_argument("--keyframe-every", type=int, default=DeltaOptions().keyframe_every,
                         help="DeltaOptions.keyframe_every of the every-step run")
+    parser.add_argument("--omp", default=",".join(OMP_POLICIES),
+                        help=f"comma-separated OpenMP wait policies of the every-step run ({', '.join(OMP_POLICIES)})")
     parser.add_argument("--work", type=Path, default=OUT_DIR / "predicted", help="scratch directory")
+    parser.add_argument("--every-child", type=Path, help=argparse.SUPPRESS)  # one policy's every-step run, to JSON
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    if args.every_child is not None:
+        found = every_step(args.work, args.steps, args.runs, args.max_chain, args.keyframe_every)
+        args.every_child.write_text(json.dumps(found))
+        return 0
+    if not set(args.omp.split(",")) <= set(OMP_POLICIES):
+        parser.error(f"--omp takes {', '.join(OMP_POLICIES)}, got {args.omp!r}")
     wanted = set(args.workloads.split(","))
     results: dict[str, Any] = {"one_step": []}
     if "W1" in wanted:
@@ -213,7 +248,8 @@ def main(argv: list[str] | None = None) -> int:
     if "W2" in wanted:
         results["one_step"].append(one_step_apart("W2", wi.w2_states(args.warmup), args.work, args.runs))
     if "every" in wanted:
-        results["every_step"] = every_step(args.work, args.steps, args.runs, args.max_chain, args.keyframe_every)
+        args.work.mkdir(parents=True, exist_ok=True)
+        results["every_step"] = every_step_per_policy(args)
     meta = {"machine": machine(), "command": "python bench/bench_predicted.py " + " ".join(argv or sys.argv[1:])}
     text = markdown(results, meta)
     print(text)
