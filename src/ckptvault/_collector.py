@@ -53,4 +53,4 @@ def resume(run_due: bool = False) -> None:
     finally:
         _lock.release()
     if enabled and run_due:
-        _allocation = set()  # a tracked allocation with no free list: the interpreter starts a due collection here
+        _allocation: set[None] = set()  # a tracked allocation with no free list: the interpreter starts a due collection here

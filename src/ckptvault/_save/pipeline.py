@@ -111,7 +111,7 @@ class Saver(InFlight):
             if staged:
                 self.start(handle, self._complete, handle, request, snapshot)
             else:
-                self._complete(handle, request, snapshot)
+                self._run(handle, request, snapshot)  # inside this pause
         finally:
             _collector.resume(run_due=not staged)
         if not staged:
@@ -119,8 +119,7 @@ class Saver(InFlight):
         return handle
 
     def _complete(self, handle: SaveHandle, request: SaveRequest, snapshot: Snapshot) -> None:
-        """Steps after the snapshot, with the cycle collector paused. Never raises: the outcome goes to the handle
-        (and errors to pending)."""
+        """A staged save's steps after the snapshot, on the background thread, with the cycle collector paused."""
         _collector.pause()
         try:
             self._run(handle, request, snapshot)
@@ -128,6 +127,7 @@ class Saver(InFlight):
             _collector.resume(run_due=True)
 
     def _run(self, handle: SaveHandle, request: SaveRequest, snapshot: Snapshot) -> None:
+        """Steps after the snapshot. Never raises: the outcome goes to the handle (and errors to pending)."""
         try:
             delta = delta_context(self.vault, self.delta_policy, request.step, self._manifests)
             delta.cache = self._keyframe_cache
