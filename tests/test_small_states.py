@@ -237,7 +237,7 @@ def test_saves_run_no_collection_inside_and_the_one_due_at_their_end(tmp_path: P
         assert gc.isenabled()
         paused = ("_save/snapshot.py:take_snapshot", "_save/pipeline.py:_run")
         assert [w for w in interrupted if any(span in w for span in paused)] == []
-        assert any(w.startswith("_collector.py:resume < _save/pipeline.py:") for w in interrupted)
+        assert any(w.startswith("_parallel.py:resume_collector < _save/pipeline.py:") for w in interrupted)
         assert any(t.get("predict") for t in mgr.manifest(4)["tensors"])
         back = mgr.restore(4)
         assert all(torch.equal(back["model"][k], v) for k, v in expected[4].items())

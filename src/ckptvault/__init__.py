@@ -17,7 +17,7 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-from . import _collector, errors
+from . import errors
 from ._maintenance.copy import CopyPlan, CopyResult, copy_checkpoints
 from ._maintenance.gc import GCPlan, GCResult
 from ._maintenance.prune import PrunePlan, PruneResult
@@ -33,6 +33,7 @@ from ._maintenance.retention import (
     Retention,
     RetentionInfo,
 )
+from ._parallel import pause_collector, resume_collector
 from ._reports.verify import VerifyReport
 from ._restore.live import RestoredObject, RestoreReport
 from ._save.preemption import Preempted
@@ -82,7 +83,7 @@ def load(url: Any, step: int | None = None, **options: Any) -> Any:
     Takes every keyword of :meth:`CheckpointManager.restore` (``into``, ``keys``, ``strict``, ``allow_pickle``,
     ``progress``) and the manager's ``storage_options`` and ``workers``.
     """
-    _collector.pause()  # first: the manager's set-up allocates too
+    pause_collector()  # first: the manager's set-up allocates too
     try:
         restore_kwargs = {k: options.pop(k) for k in _RESTORE_KEYWORDS & set(options)}
         unknown = sorted(set(options) - {"storage_options", "workers"})
@@ -92,4 +93,4 @@ def load(url: Any, step: int | None = None, **options: Any) -> Any:
         with CheckpointManager(url, **options) as mgr:
             return mgr.restore(step, **restore_kwargs)
     finally:
-        _collector.resume()
+        resume_collector()

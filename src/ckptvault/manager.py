@@ -9,7 +9,6 @@ import sys
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from . import _collector
 from ._argcheck import check_kind, check_progress
 from ._codecs import DEFAULT_CODEC
 from ._codecs.planes import load_if_worth_it, wait_for_kernel_loading
@@ -20,6 +19,7 @@ from ._format.manifest import manifest_key
 from ._format.schema import MAX_STEP
 from ._maintenance.mixin import MaintenanceMixin, apply_retention
 from ._maintenance.retention import Policy, Retention
+from ._parallel import pause_collector, resume_collector
 from ._reports.verify import VerifyReport, verify_steps
 from ._restore.live import has_live_objects, restore_live
 from ._restore.tensors import restore_into, restore_tree
@@ -291,14 +291,14 @@ class CheckpointManager(MaintenanceMixin):
         increments: the bytes of the chunks this restore reads (``info(step).logical_bytes`` for a whole
         checkpoint; less when ``keys`` or ``into`` name part of it, a packed chunk counted whole).
         """
-        _collector.pause()  # before anything allocates
+        pause_collector()  # before anything allocates
         try:
             check_kind("strict", strict, bool)
             check_kind("allow_pickle", allow_pickle, bool)  # "no" would allow unpickling
             check_progress(progress)
             return self._restore(step, into, keys, strict, allow_pickle, progress)
         finally:
-            _collector.resume()
+            resume_collector()
 
     def _restore(self, step: int | str | None, into: Any, keys: Iterable[str] | str | None, strict: bool,
                  allow_pickle: bool, progress: Progress | None) -> Any:

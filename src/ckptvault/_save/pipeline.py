@@ -28,11 +28,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .. import _collector
 from .._argcheck import check_kind
 from .._codecs.lossy import LossySafety
 from .._delta.policy import DeltaPolicy, KeyframeCache, ManifestCache, delta_context
 from .._delta.predict import Predictor
+from .._parallel import pause_collector, resume_collector
 from .._vault import Vault
 from ..errors import SaveError, VaultError
 from ..handle import SaveHandle
@@ -98,7 +98,7 @@ class Saver(InFlight):
         self.wait_inflight()  # not paused: the save in flight ends its pause, and a collection due runs then
         self.raise_pending()
         staging = self._staging if self.async_save else None
-        _collector.pause()  # the snapshot and the records live until the save ends: no collection meanwhile
+        pause_collector()  # the snapshot and the records live until the save ends: no collection meanwhile
         staged = False
         try:
             snapshot = take_snapshot(state, rules, allow_pickle, staging, self.max_staging_bytes)
@@ -113,18 +113,18 @@ class Saver(InFlight):
             else:
                 self._run(handle, request, snapshot)  # inside this pause
         finally:
-            _collector.resume(run_due=not staged)
+            resume_collector(run_due=not staged)
         if not staged:
             self.raise_pending()
         return handle
 
     def _complete(self, handle: SaveHandle, request: SaveRequest, snapshot: Snapshot) -> None:
         """A staged save's steps after the snapshot, on the background thread, with the cycle collector paused."""
-        _collector.pause()
+        pause_collector()
         try:
             self._run(handle, request, snapshot)
         finally:
-            _collector.resume(run_due=True)
+            resume_collector(run_due=True)
 
     def _run(self, handle: SaveHandle, request: SaveRequest, snapshot: Snapshot) -> None:
         """Steps after the snapshot. Never raises: the outcome goes to the handle (and errors to pending)."""
