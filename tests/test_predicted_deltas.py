@@ -17,22 +17,23 @@ import torch
 import ckptvault
 from ckptvault import CheckpointManager, DeltaOptions
 from ckptvault._format.manifest import encode_manifest, manifest_key
-from ckptvault.errors import InvalidArgumentError, PredictionError
+from ckptvault.errors import CorruptChunkError, InvalidArgumentError, PredictionError
 
 
-def _model(seed: int = 0) -> torch.nn.Module:
+def _model(seed: int = 0, width: int = 32) -> torch.nn.Module:
     torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Embedding(200, 32), torch.nn.Linear(32, 64), torch.nn.ReLU(),
+    return torch.nn.Sequential(torch.nn.Embedding(200, width), torch.nn.Linear(width, 64), torch.nn.ReLU(),
                                torch.nn.Linear(64, 200))
 
 
 def _train(make_opt, steps: int, url, *, scheduler=False, max_chain: int = 8, keyframe_every: int = 50,
-           async_save: bool = True, predict: bool = True, noise: bool = False) -> tuple[dict[int, dict], CheckpointManager]:
-    model = _model()
+           async_save: bool = True, predict: bool = True, noise: bool = False, width: int = 32,
+           chunk_size: int | None = None) -> tuple[dict[int, dict], CheckpointManager]:
+    model = _model(width=width)
     opt = make_opt(model)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 5)) if scheduler else None
     saved = {}
-    mgr = CheckpointManager(url, async_save=async_save,
+    mgr = CheckpointManager(url, async_save=async_save, chunk_size=chunk_size,
                             delta=DeltaOptions(predict=predict, max_chain=max_chain, keyframe_every=keyframe_every))
     gen = torch.Generator().manual_seed(1)
     for step in range(1, steps + 1):
@@ -402,3 +403,117 @@ def test_a_residual_that_stores_in_almost_nothing_is_not_weighed_against_its_blo
     finally:
         predict_module._estimate = real
     assert estimated == [predict_module.SAMPLE] * 2  # the residual's estimate of each block, never the block's
+
+
+#: a model whose embedding (200 x 96 float32: 75 KiB) is cut into a whole chunk and a shorter one, and whose next
+#: weights fill one chunk each, at this chunk size (arrays of a quarter chunk and more start their own chunks)
+STREAMED = {"width": 96, "chunk_size": 64 << 10}
+
+
+@pytest.fixture
+def streamed_families(monkeypatch):
+    """The families each restore streams through the kernels slice by slice (``_restore/streamed.py``)."""
+    from ckptvault._restore import predicted as predicted_module
+
+    seen: list[list] = []
+    real = predicted_module.stream
+
+    def spy(vault, manifest, levels, index, streamed, outputs):
+        seen.append(streamed)
+        return real(vault, manifest, levels, index, streamed, outputs)
+
+    monkeypatch.setattr(predicted_module, "stream", spy)
+    return seen
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_arrays_cut_into_chunks_stream_through_the_kernels_bit_exact(tmp_path, name, streamed_families):
+    make_opt, scheduler = OPTIMIZERS[name]
+    saved, mgr = _train(make_opt, 6, tmp_path / "v", scheduler=scheduler, **STREAMED)
+    mgr.close()
+    with CheckpointManager(tmp_path / "v") as fresh:
+        for step in saved:
+            _assert_same(fresh.restore(step), saved[step])
+        body = fresh.manifest(6)
+    deepest = streamed_families[-1]  # step 6: five levels back to the keyframe
+    paths = {levels_path for family in deepest for levels_path in _family_paths(body, family)}
+    assert "model.0.weight" in paths and "model.3.weight" in paths
+    embedding = next(f for f in deepest if "model.0.weight" in _family_paths(body, f))
+    assert len(embedding.slices) == 2 and embedding.slices[-1] == (64 << 10, 200 * 96 * 4)  # the last slice shorter
+    assert max(n for n, _k in embedding.order) == 5
+    assert "model.0.bias" not in paths  # packed with other small arrays: rebuilt level by level, beside
+
+
+def _family_paths(body: dict, family) -> set[str]:
+    levels = [body["tensors"]] + [level["tensors"] for level in body["chain"]]
+    return {levels[n][k]["path"] for n, k in family.order}
+
+
+def test_a_streamed_restore_of_part_of_the_state_and_into_live_objects_is_exact(tmp_path, streamed_families):
+    saved, mgr = _train(lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.1), 5, tmp_path / "v",
+                        **STREAMED)
+    with mgr:
+        weights = mgr.restore(5, keys="model.*")  # the moments the weights are predicted from, rebuilt aside
+        _assert_same(weights["model"], saved[5]["model"])
+        assert "optimizer" not in weights
+        model = _model(seed=7, width=96)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+        mgr.restore(5, into={"model": model, "optimizer": opt})  # rebuilt in the live tensors' memory
+        _assert_same(model.state_dict(), saved[5]["model"])
+        _assert_same(opt.state_dict()["state"], saved[5]["optimizer"]["state"])
+    assert len(streamed_families) >= 2 and all(streamed_families)
+
+
+def test_a_streamed_prediction_that_differs_fails_the_restore_loudly(tmp_path, streamed_families):
+    saved, mgr = _train(lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3), 3, tmp_path / "v", **STREAMED)
+    with mgr:
+        body = mgr.manifest(3)
+        record = next(t for t in body["tensors"] if t["path"] == "model.0.weight")
+        record["predict"]["scalars"]["eps"] *= 2
+        mgr.vault.store.put(manifest_key(3), encode_manifest(body))
+        with pytest.raises(PredictionError, match=r"step 3: 'model.0.weight', stored as the XOR with its prediction "
+                                                  r"\(adam-param-1\) from step 2, does not restore to the bytes"):
+            mgr.restore(3)
+        assert streamed_families
+        _assert_same(mgr.restore(2), saved[2])
+
+
+def test_a_damaged_chunk_of_a_chain_level_fails_the_streamed_restore_naming_it(tmp_path, streamed_families):
+    from ckptvault._format.chunk_object import chunk_key
+
+    saved, mgr = _train(lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3), 3, tmp_path / "v", **STREAMED)
+    with mgr:
+        body = mgr.manifest(3)
+        level = next(t for t in body["chain"][1]["tensors"] if t["path"] == "model.0.weight")  # step 1's, a keyframe
+        cid = body["chunks"][level["pieces"][1][0]]["id"]
+        path = tmp_path / "v" / chunk_key(cid)
+        data = bytearray(path.read_bytes())
+        data[-1] ^= 0xFF
+        path.chmod(0o644)
+        path.write_bytes(bytes(data))
+        with pytest.raises(CorruptChunkError, match=rf"chunk {cid} is corrupt \(needed by step 3, tensor "
+                                                    r"'model.0.weight'\)"):
+            mgr.restore(3)
+        assert streamed_families
+
+
+def test_slices_hashed_as_they_finish_in_any_order_give_the_whole_arrays_digest():
+    import random
+    import threading
+
+    import blake3
+    import numpy as np
+
+    from ckptvault._restore.streamed import _InOrder
+
+    data = np.random.default_rng(0).integers(0, 255, 10_000, dtype=np.uint8)
+    slices = [(lo, min(lo + 1024, len(data))) for lo in range(0, len(data), 1024)]
+    hashed = _InOrder(data, slices)
+    order = list(range(len(slices)))
+    random.Random(0).shuffle(order)
+    threads = [threading.Thread(target=hashed.finished, args=(j,)) for j in order]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert hashed.hexdigest() == blake3.blake3(data.data).hexdigest()

@@ -2,11 +2,12 @@
 was predicted from (DESIGN §6, "Predicted deltas").
 
 A predicted record's inputs are records of its own checkpoint or of the checkpoints before it, which the
-manifest's restore chain lists (with pieces in its own chunk table). A restore reads the records it needs level
-by level, deepest first, rebuilds each level's predicted records in the order their inputs allow, and checks each
-against its saved digest: a prediction that differs raises :class:`~ckptvault.errors.PredictionError` (a record
-rebuilt in a caller's buffer leaves it undefined, as any failed restore does). Memory: the records of two levels
-at a time, less the records rebuilt in the caller's buffers.
+manifest's restore chain lists (with pieces in its own chunk table). A restore groups the records it needs into
+families (records linked by predictions) and rebuilds each predicted one checking it against its saved digest: a
+prediction that differs raises :class:`~ckptvault.errors.PredictionError` (a record rebuilt in a caller's buffer
+leaves it undefined, as any failed restore does). Families of arrays cut into whole chunks stream through the
+kernels slice by slice (``streamed.py``: memory, the outputs plus a few slices per thread); the rest, small arrays
+packed with others, are read level by level, deepest first (memory: their records of two levels at a time).
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ import numpy as np
 from .._delta.kernels import check_ieee, digest, flat_array, xor_prediction
 from .._format.records import Manifest, PredictInfo, TensorRecord
 from .._vault import Vault
-from ..errors import CorruptManifestError, PredictionError
+from ..errors import CorruptManifestError
+from .streamed import Levels, families, mismatch, stream, streamable
 
 ReadStored = Callable[[Vault, Manifest, dict[Any, Any]], None]
 
@@ -54,9 +56,30 @@ def rebuild(vault: Vault, manifest: Manifest, wanted: set[int], read: ReadStored
     """Records ``wanted`` (indices into ``manifest.tensors``, predicted or not) as flat arrays of their dtype,
     rebuilt in the views ``into`` names (exactly a record's bytes) and in new arrays for the rest."""
     check_ieee()
+    into = into or {}
     levels = [manifest.tensors] + [level.tensors for level in manifest.chain]
     index = [{t.path: k for k, t in enumerate(records)} for records in levels]
     needed = _closure(levels, index, wanted)
+    streamed, by_level = [], [set[int]() for _ in levels]
+    for nodes in families(levels, index, needed):
+        family = streamable(levels, manifest.chunks, nodes, index, manifest.step)
+        if family is not None:
+            streamed.append(family)
+        else:
+            for n, k in nodes:
+                by_level[n].add(k)
+    values = {k: _buffer(levels[0][k], into.get(k)) for family in streamed for n, k in family.order
+              if n == 0 and k in wanted}
+    if streamed:
+        stream(vault, manifest, levels, index, streamed, values)
+    if any(by_level):
+        values.update(_rebuild_by_level(vault, manifest, levels, index, by_level, read, into))
+    return {k: values[k] for k in wanted}
+
+
+def _rebuild_by_level(vault: Vault, manifest: Manifest, levels: Levels, index: list[dict[str, int]],
+                      needed: list[set[int]], read: ReadStored, into: dict[int, memoryview]) -> dict[int, np.ndarray]:
+    """The level-0 records of ``needed`` (a closed set of records per level), read and rebuilt level by level."""
     depth = max(n for n in range(len(levels)) if needed[n])
     below: dict[str, np.ndarray] = {}
     done: dict[int, np.ndarray] = {}
@@ -66,16 +89,16 @@ def rebuild(vault: Vault, manifest: Manifest, wanted: set[int], read: ReadStored
         if arrays is None:
             # the deepest two levels in one read (chunks both use are fetched once), then one level at a time
             batch = [n, n - 1] if n == depth and n > 0 else [n]
-            read_ahead = _read_levels(vault, manifest, levels, needed, batch, read, into or {})
+            read_ahead = _read_levels(vault, manifest, levels, needed, batch, read, into)
             arrays = read_ahead.pop(n)
         level = _Level(manifest, levels[n], index[n], arrays, below, vault.pool)
         for k in sorted(needed[n]):
             level.value(k, set())
         below, done = {levels[n][k].path: a for k, a in level.done.items()}, level.done
-    return {k: done[k] for k in wanted}
+    return done
 
 
-def _read_levels(vault: Vault, manifest: Manifest, levels: list[tuple[TensorRecord, ...]], needed: list[set[int]],
+def _read_levels(vault: Vault, manifest: Manifest, levels: Levels, needed: list[set[int]],
                  batch: list[int], read: ReadStored, into: dict[int, memoryview]) -> dict[int, dict[int, np.ndarray]]:
     """The stored bytes of the records ``needed`` at the levels ``batch``, in one read: level 0's into the views
     ``into`` names where it names one, the rest into new arrays."""
@@ -97,7 +120,7 @@ def _buffer(record: TensorRecord, view: memoryview | None) -> np.ndarray:
     return flat_array(np.empty(record.nbytes, dtype=np.uint8).data if view is None else view, record.dtype)
 
 
-def _closure(levels: list[tuple[TensorRecord, ...]], index: list[dict[str, int]], wanted: set[int]) -> list[set[int]]:
+def _closure(levels: Levels, index: list[dict[str, int]], wanted: set[int]) -> list[set[int]]:
     needed: list[set[int]] = [set() for _ in levels]
     todo = [(0, k) for k in wanted]
     while todo:
@@ -143,7 +166,4 @@ class _Level:
                    inputs: dict[str, np.ndarray]) -> None:
         xor_prediction(info.op, inputs, info.scalars, array, info.raw_blocks, info.block, self.pool)
         if digest(array) != info.digest:
-            raise PredictionError(f"step {self.manifest.step}: {record.path!r}, stored as the XOR with its prediction "
-                                  f"({info.op}) from step {info.from_step}, does not restore to the bytes it was saved "
-                                  "with (BLAKE3 digest differs) although its chunks are intact; its value is not "
-                                  "trustworthy: restore an earlier checkpoint, and report this with `ckptvault show`")
+            raise mismatch(self.manifest, record)

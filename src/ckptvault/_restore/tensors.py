@@ -27,9 +27,10 @@ from .._format.shards import box_of
 from .._parallel import map_all
 from .._tree import array_leaves, join_path, leaf_paths, unflatten
 from .._vault import Vault
-from ..errors import CorruptChunkError, InvalidArgumentError, KeyMismatchError, ObjectNotFoundError, PickleNotAllowedError
+from ..errors import InvalidArgumentError, KeyMismatchError, PickleNotAllowedError
 from ..rules import any_match
 from .predicted import fill_predicted, is_predicted
+from .verified import read_verified
 
 #: where read_into writes: a record index, or ("base", index) for a residual's keyframe copy
 #: a record index; ``("base", i)``: residual record i's keyframe copy; ``("range", i, start, length)``: bytes
@@ -101,15 +102,8 @@ def read_stored(vault: Vault, manifest: Manifest, dests: dict[Dest, memoryview |
             filled(key)
 
     def fetch(chunk: int) -> None:
-        cid = chunks[chunk].id
         first_key = jobs[chunk][0][0]
-        first = tensors[first_key[1] if isinstance(first_key, tuple) else first_key].path
-        try:
-            raw = memoryview(vault.read_chunk(cid, expected_raw=chunks[chunk].raw)).cast("B")
-        except ObjectNotFoundError:
-            raise CorruptChunkError(cid, "the chunk object is missing", manifest.step, first) from None
-        except CorruptChunkError as exc:
-            raise CorruptChunkError(cid, exc.reason, manifest.step, first) from None
+        raw = read_verified(vault, manifest, chunk, tensors[first_key[1] if isinstance(first_key, tuple) else first_key].path)
         for index, dest_offset, offset, length in jobs[chunk]:
             view_of(index)[dest_offset : dest_offset + length] = raw[offset : offset + length]
         if progress:

@@ -1,0 +1,19 @@
+"""Reading one chunk of a manifest for a restore, verified, with errors that name the checkpoint and the record."""
+
+from __future__ import annotations
+
+from .._format.records import Manifest
+from .._vault import Vault
+from ..errors import CorruptChunkError, ObjectNotFoundError
+
+
+def read_verified(vault: Vault, manifest: Manifest, chunk: int, path: str) -> memoryview:
+    """The raw bytes of chunk ``chunk`` of ``manifest``'s table, checked against its name (C3). A missing or
+    damaged chunk is a CorruptChunkError naming the step and ``path`` (a record that needs it)."""
+    ref = manifest.chunks[chunk]
+    try:
+        return memoryview(vault.read_chunk(ref.id, expected_raw=ref.raw)).cast("B")
+    except ObjectNotFoundError:
+        raise CorruptChunkError(ref.id, "the chunk object is missing", manifest.step, path) from None
+    except CorruptChunkError as exc:
+        raise CorruptChunkError(ref.id, exc.reason, manifest.step, path) from None
