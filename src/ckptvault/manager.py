@@ -12,6 +12,7 @@ from typing import Any
 from ._argcheck import check_kind, check_progress
 from ._codecs import DEFAULT_CODEC
 from ._codecs.planes import load_if_worth_it, wait_for_kernel_loading
+from ._delta.kernels import wait_for_fused_loading
 from ._delta.policy import DeltaPolicy
 from ._delta.predict import Predictor
 from ._feedback import reissue_deferred
@@ -372,6 +373,7 @@ class CheckpointManager(MaintenanceMixin):
                         self._collective.close()
         finally:
             wait_for_kernel_loading()  # not left importing numba while the interpreter exits (planes.LOAD_AFTER)
+            wait_for_fused_loading()
             self.vault.close()
             reissue_deferred()
             self._end_preemption()

@@ -66,6 +66,11 @@ def _ready_kernels(nbytes: int) -> Any:
     return None
 
 
+def kernels_ready() -> bool:
+    """Whether the kernels are loaded (so numba is imported): other numba kernels are then cheap to add."""
+    return bool(_kernels)
+
+
 def load_if_worth_it() -> threading.Thread | None:
     """Start :func:`load_kernels_in_background` if the kernels now pay for their loading; returns its thread, or None.
 

@@ -10,17 +10,25 @@ its version: a new formula is a new name, and old names keep their formula.
 Restores check the result against the digest the manifest holds, so a prediction that ever differed would be an
 error, never a silent change. One condition would make it differ: flush-to-zero of subnormal numbers in the
 thread that computes (``torch.set_flush_denormal(True)``); :func:`check_ieee` refuses to compute then.
+
+Once a process has loaded numba for its byte-plane kernels (``_codecs/planes.py``), the same formulas run as one
+pass per slice (``fused_kernels.py``: the same operations in the same order, so the same bits), loaded in the
+background on first need; a slice whose prediction holds a NaN is computed here again, as a NaN's payload may
+depend on a compiler's order of operands.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import blake3
 import numpy as np
 
+from .._codecs.planes import kernels_ready
 from .._format.predicted import KERNEL_SIGNATURES
 from .._parallel import map_all
 from ..errors import PredictionError
@@ -127,8 +135,7 @@ def xor_prediction(op: str, inputs: Mapping[str, np.ndarray], scalars: Mapping[s
     def one(part: tuple[int, int]) -> None:
         lo, hi = part
         out, tmp = _buffers(target.dtype, hi - lo)
-        with np.errstate(all="ignore"):
-            prediction = KERNELS[op]({role: a[lo:hi] for role, a in inputs.items()}, scalars, out, tmp)
+        prediction = _predicted(op, {role: a[lo:hi] for role, a in inputs.items()}, scalars, out, tmp)
         bits = np.dtype(f"u{target.itemsize}")
         np.bitwise_xor(source[lo:hi].view(bits), prediction.view(bits), out=target[lo:hi].view(bits))
 
@@ -137,6 +144,58 @@ def xor_prediction(op: str, inputs: Mapping[str, np.ndarray], scalars: Mapping[s
             one(part)
     else:
         map_all(pool, one, parts)
+
+
+def _predicted(op: str, inputs: Mapping[str, np.ndarray], scalars: Mapping[str, float], out: np.ndarray,
+               tmp: np.ndarray) -> np.ndarray:
+    """Kernel ``op``'s prediction in ``out`` (or an input, for ``same-1``): in one pass where the fused kernels
+    are loaded and the result holds no NaN, else by the numpy sequence."""
+    fused = _ready_fused()
+    if fused is not None and op in fused.KERNELS and not fused.predict_into(op, inputs, scalars, out):
+        return out
+    with np.errstate(all="ignore"):  # 0/0 and overflow are IEEE results like any other, the same everywhere
+        return KERNELS[op](inputs, scalars, out, tmp)
+
+
+_fused: Any = None  # the fused_kernels module once loaded, False where it could not be
+_fused_loading: threading.Thread | None = None
+_fused_lock = threading.Lock()
+log = logging.getLogger(__name__)
+
+
+def _ready_fused() -> Any:
+    """``fused_kernels`` once loaded, else None; starts loading it, on a daemon thread, once the byte-plane
+    kernels have loaded numba (small states never import numba for predictions)."""
+    global _fused_loading
+    if _fused is not None:
+        return _fused or None
+    if kernels_ready() and _fused_loading is None:
+        with _fused_lock:
+            if _fused_loading is None:
+                _fused_loading = threading.Thread(target=_load_fused, name="ckptvault-load-fused", daemon=True)
+                _fused_loading.start()
+    return None
+
+
+def _load_fused() -> None:
+    global _fused
+    try:
+        from . import fused_kernels
+
+        fused_kernels.load()
+    except Exception as exc:  # noqa: BLE001 - a broken numba cache or compiler: the numpy sequences stay in use
+        log.warning("could not load the fused prediction kernels (%s: %s); using numpy", type(exc).__name__, exc)
+        _fused = False
+        return
+    _fused = fused_kernels
+
+
+def wait_for_fused_loading() -> None:
+    """Return once the thread loading the fused kernels (if any) has finished: none is left compiling while the
+    interpreter exits."""
+    thread = _fused_loading
+    if thread is not None and thread is not threading.current_thread():
+        thread.join()
 
 
 def _without(n: int, per_block: int, skipped: set[int]) -> list[tuple[int, int]]:
