@@ -25,6 +25,7 @@ with a note in docs/DESIGN.md. Never regenerate ``vault_v1/`` to make a reading 
 from __future__ import annotations
 
 import collections
+import hashlib
 import json
 import shutil
 from pathlib import Path
@@ -209,3 +210,36 @@ def test_golden_vault_covers_the_format() -> None:
     assert any(len(t["pieces"]) >= 3 for t in manifest["tensors"])  # a tensor over several chunks
     assert any(len([t for t in manifest["tensors"] if t["pieces"] and t["pieces"][0][0] == c]) > 1
                for c in range(len(manifest["chunks"])))  # a chunk shared by several small tensors
+
+
+#: a vault of predicted checkpoints as ckptvault wrote them before chain levels were stored in chunks: each
+#: manifest holds its restore chain's records inline. Three AdamW steps of a small MLP (chunk size 64 KiB, so the
+#: first layer's arrays are cut into chunks of their own and stream), the digests of what each step restored to
+#: when it was written beside it.
+PREDICTED_INLINE = GOLDEN_DIR / "vault_v1_predicted_inline"
+
+
+def _tensor_digests(tree: Any, path: str = "") -> dict[str, str]:
+    if isinstance(tree, torch.Tensor):
+        data = tree.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+        return {path: f"{hashlib.sha256(data).hexdigest()}:{tree.dtype}:{list(tree.shape)}"}
+    if isinstance(tree, dict):
+        return {k: v for key, value in tree.items()
+                for k, v in _tensor_digests(value, f"{path}.{key}" if path else str(key)).items()}
+    if isinstance(tree, (list, tuple)):
+        return {k: v for n, value in enumerate(tree) for k, v in _tensor_digests(value, f"{path}.{n}").items()}
+    return {path: repr(tree)}
+
+
+def test_golden_predicted_vault_with_its_chain_inline_restores_exactly(tmp_path: Path) -> None:
+    copy = tmp_path / "vault"
+    shutil.copytree(PREDICTED_INLINE, copy)
+    expected = json.loads(PREDICTED_INLINE.with_name(PREDICTED_INLINE.name + ".expected.json").read_text())
+    with ckptvault.CheckpointManager(copy) as mgr:
+        assert mgr.steps() == [1, 2, 3]
+        assert [len(mgr.manifest(s).get("chain", [])) for s in (1, 2, 3)] == [0, 1, 2]
+        assert all("tensors" in level and "chain-chunks" not in mgr.manifest(3)["requires"]
+                   for level in mgr.manifest(3)["chain"])
+        for step in (1, 2, 3):
+            assert _tensor_digests(mgr.restore(step)) == expected[str(step)]
+        assert mgr.verify().ok

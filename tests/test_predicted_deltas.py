@@ -17,7 +17,7 @@ import torch
 import ckptvault
 from ckptvault import CheckpointManager, DeltaOptions
 from ckptvault._format.manifest import encode_manifest, manifest_key
-from ckptvault.errors import CorruptChunkError, InvalidArgumentError, PredictionError
+from ckptvault.errors import CorruptChunkError, CorruptManifestError, InvalidArgumentError, PredictionError
 
 
 def _model(seed: int = 0, width: int = 32) -> torch.nn.Module:
@@ -69,6 +69,13 @@ def _assert_same(restored, expected, path="") -> None:
             _assert_same(a, b, f"{path}.{k}")
     else:
         assert restored == expected, path
+
+
+def _chain(mgr: CheckpointManager, step: int) -> list[dict]:
+    """The levels of a checkpoint's restore chain with their records, read from their chunks."""
+    from ckptvault._restore.chain import with_chain
+
+    return [json.loads(level.body_text) for level in with_chain(mgr.vault, mgr.vault.read_manifest(step)).chain]
 
 
 def _predicted_paths(mgr: CheckpointManager, step: int) -> set[str]:
@@ -419,7 +426,7 @@ def streamed_families(monkeypatch):
     real = predicted_module.stream
 
     def spy(vault, manifest, levels, index, streamed, outputs):
-        seen.append(streamed)
+        seen.append([(family, {levels[n][k].path for n, k in family.order}) for family in streamed])
         return real(vault, manifest, levels, index, streamed, outputs)
 
     monkeypatch.setattr(predicted_module, "stream", spy)
@@ -434,19 +441,13 @@ def test_arrays_cut_into_chunks_stream_through_the_kernels_bit_exact(tmp_path, n
     with CheckpointManager(tmp_path / "v") as fresh:
         for step in saved:
             _assert_same(fresh.restore(step), saved[step])
-        body = fresh.manifest(6)
     deepest = streamed_families[-1]  # step 6: five levels back to the keyframe
-    paths = {levels_path for family in deepest for levels_path in _family_paths(body, family)}
+    paths = {path for _family, family_paths in deepest for path in family_paths}
     assert "model.0.weight" in paths and "model.3.weight" in paths
-    embedding = next(f for f in deepest if "model.0.weight" in _family_paths(body, f))
+    embedding = next(family for family, family_paths in deepest if "model.0.weight" in family_paths)
     assert len(embedding.slices) == 2 and embedding.slices[-1] == (64 << 10, 200 * 96 * 4)  # the last slice shorter
     assert max(n for n, _k in embedding.order) == 5
     assert "model.0.bias" not in paths  # packed with other small arrays: rebuilt level by level, beside
-
-
-def _family_paths(body: dict, family) -> set[str]:
-    levels = [body["tensors"]] + [level["tensors"] for level in body["chain"]]
-    return {levels[n][k]["path"] for n, k in family.order}
 
 
 def test_a_streamed_restore_of_part_of_the_state_and_into_live_objects_is_exact(tmp_path, streamed_families):
@@ -484,7 +485,7 @@ def test_a_damaged_chunk_of_a_chain_level_fails_the_streamed_restore_naming_it(t
     saved, mgr = _train(lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3), 3, tmp_path / "v", **STREAMED)
     with mgr:
         body = mgr.manifest(3)
-        level = next(t for t in body["chain"][1]["tensors"] if t["path"] == "model.0.weight")  # step 1's, a keyframe
+        level = next(t for t in _chain(mgr, 3)[1]["tensors"] if t["path"] == "model.0.weight")  # step 1's, a keyframe
         cid = body["chunks"][level["pieces"][1][0]]["id"]
         path = tmp_path / "v" / chunk_key(cid)
         data = bytearray(path.read_bytes())
@@ -517,3 +518,88 @@ def test_slices_hashed_as_they_finish_in_any_order_give_the_whole_arrays_digest(
     for thread in threads:
         thread.join()
     assert hashed.hexdigest() == blake3.blake3(data.data).hexdigest()
+
+
+def test_the_restore_chain_is_stored_in_chunks_once_per_level_and_named_by_reference(tmp_path):
+    saved, mgr = _train(lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3), 8, tmp_path / "v")
+    with mgr:
+        bodies = {step: mgr.manifest(step) for step in saved}
+        for step in range(2, 9):
+            body = bodies[step]
+            assert "chain-chunks" in body["requires"]
+            assert all(set(level) == {"step", "pieces"} for level in body["chain"])
+            newest = {body["chunks"][c]["id"] for c, _offset, _length in body["chain"][0]["pieces"]}
+            assert all(body["chunks"][c]["new"] for c, *_ in body["chain"][0]["pieces"])  # written by this save
+            if step > 2:  # the levels before it pass on by reference: the same chunks, not written again
+                previous = bodies[step - 1]
+                assert body["chain"][1:] == previous["chain"]
+                assert newest.isdisjoint({c["id"] for c in previous["chunks"]})
+        sizes = {step: len(mgr.vault.store.get(manifest_key(step))) for step in saved}
+        assert sizes[8] < 1.3 * sizes[2]  # seven levels deep, the manifest is about as large as at one
+        levels = _chain(mgr, 8)
+        assert [level["step"] for level in levels] == [7, 6, 5, 4, 3, 2, 1]
+        assert mgr.verify().ok
+        for step in saved:
+            _assert_same(mgr.restore(step), saved[step])
+
+
+def test_a_manifest_holding_its_chain_inline_still_restores_and_chains_on(tmp_path):
+    """Manifests written before levels were stored in chunks hold each level's records inline; they restore, and
+    a checkpoint predicted from one names its new level in chunks and passes the inline levels on."""
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    saved = {}
+    with CheckpointManager(tmp_path / "v", async_save=False, delta=DeltaOptions(predict=True)) as mgr:
+        for step in range(1, 6):
+            model(torch.arange(8)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            saved[step] = copy.deepcopy({"model": model.state_dict(), "optimizer": opt.state_dict()})
+            mgr.save(step, saved[step])
+            if step == 4:  # as an earlier ckptvault wrote it: the same manifest, its chain inline
+                body = mgr.manifest(4)
+                body["chain"] = _chain(mgr, 4)
+                body["requires"].remove("chain-chunks")
+                mgr.vault.store.put(manifest_key(4), encode_manifest(body))
+                assert all("tensors" in level for level in mgr.manifest(4)["chain"])
+        chain = mgr.manifest(5)["chain"]
+        assert "pieces" in chain[0] and len(chain) == 4 and all("tensors" in level for level in chain[1:])
+        for step in saved:
+            _assert_same(mgr.restore(step), saved[step])
+
+
+def test_a_damaged_or_forged_chain_level_fails_the_restore_naming_it(tmp_path):
+    from ckptvault._format.chunk_object import ChunkHeader, chunk_id, chunk_key, encode_object
+
+    saved, mgr = _train(lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3), 3, tmp_path / "v")
+    with mgr:
+        body = mgr.manifest(3)
+        index = body["chain"][0]["pieces"][0][0]
+        level = _chain(mgr, 3)[0]
+        forged = json.dumps({**level, "step": 999}).encode()  # hash-correct, but not the level the manifest names
+        cid = chunk_id(forged)
+        mgr.vault.store.put(chunk_key(cid), encode_object(ChunkHeader(codec=[], raw=len(forged)), forged))
+        body["chunks"][index] = {"id": cid, "raw": len(forged), "stored": len(forged) + 64, "new": True}
+        body["chain"][0]["pieces"] = [[index, 0, len(forged)]]
+        mgr.vault.store.put(manifest_key(3), encode_manifest(body))
+        with pytest.raises(CorruptManifestError, match=r"manifest manifests/0+3\.json in .*: field chain\[0\]\.step "
+                                                       r"is 999, but the manifest lists the level as step 2"):
+            mgr.restore(3)
+        assert any("chain[0].step is 999" in problem for problem in mgr.verify(3).problems[3])
+
+        path = tmp_path / "v" / chunk_key(cid)
+        path.chmod(0o644)
+        path.write_bytes(path.read_bytes()[:-1] + b"!")
+        with pytest.raises(CorruptChunkError, match=rf"chunk {cid} is corrupt \(needed by step 3, tensor 'restore "
+                                                    r"chain level 0 \(step 2\)'\)"):
+            mgr.restore(3)
+        _assert_same(mgr.restore(2), saved[2])
+
+
+def test_a_predicted_checkpoint_copied_to_another_vault_restores_there(tmp_path):
+    saved, mgr = _train(lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3), 5, tmp_path / "v")
+    mgr.close()
+    ckptvault.copy_checkpoints(tmp_path / "v", tmp_path / "copy", steps=[5])
+    with CheckpointManager(tmp_path / "copy") as copy:
+        assert copy.steps() == [5] and copy.verify().ok
+        _assert_same(copy.restore(5), saved[5])

@@ -2,8 +2,10 @@
 
 A record with ``"predict"`` is stored as the XOR of its bytes with a prediction computed from other records: of
 its own checkpoint (level 0) or of the checkpoints before it, whose records the manifest's ``"chain"`` lists with
-pieces in the manifest's own chunk table. Every input must resolve to a record of the same dtype and shape, and
-the chain must end: no record may need a level the manifest does not hold.
+pieces in the manifest's own chunk table. A level is stored in chunks of that table (``{"step", "pieces"}``, the
+pieces holding the level's JSON ``{"step", "tensors"}``: :func:`check_level`, when a restore reads it) or inline
+(``{"step", "tensors"}``). Every input must resolve to a record of the same dtype and shape, and the chain must
+end: no record may need a level the manifest does not hold.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from dataclasses import replace
 from typing import Any
 
 from ..errors import PredictionError
-from .records import ChainLevel, ChunkRef, Manifest, PredictInfo, PredictInput, TensorRecord
+from .records import ChainLevel, ChunkRef, Manifest, Piece, PredictInfo, PredictInput, TensorRecord
 
 #: the kernels this version can compute, by versioned name, with the input roles and scalars each takes
 KERNEL_SIGNATURES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
@@ -63,35 +65,65 @@ def _input(f: Any, item: Any, at: str) -> PredictInput:
     return PredictInput(f.str(item[0], f"{at}[0]"), f.int(item[1], f"{at}[1]", 0, 1), f.str(item[2], f"{at}[2]"))
 
 
-def check_chain(f: Any, body: Any, check_record: Callable[[Any, str], TensorRecord]) -> tuple[ChainLevel, ...]:
-    """The manifest's ``"chain"`` levels (``check_record`` checks one record, as for ``"tensors"``)."""
+#: the most bytes of JSON one level stored in chunks may hold (the largest chunk of any vault)
+MAX_LEVEL_BYTES = 256 << 20
+
+
+def check_chain(f: Any, body: Any, check_record: Callable[[Any, str], TensorRecord],
+                check_pieces: Callable[[Any, str], tuple[Piece, ...]], requires: tuple[str, ...]
+                ) -> tuple[ChainLevel, ...]:
+    """The manifest's ``"chain"`` levels (``check_record`` checks one record, as for ``"tensors"``;
+    ``check_pieces`` a record's pieces): levels stored inline with their records, and levels stored in chunks with
+    the pieces of their JSON (a manifest with those names ``"chain-chunks"`` in ``requires``)."""
     levels = []
     for n, level in enumerate(f.list(body, "chain")):
         at = f"chain[{n}]"
         level = f.dict(level, at)
+        step = f.int(f.required(level, "step", at), f"{at}.step")
+        if "pieces" in level:
+            if "chain-chunks" not in requires:
+                f.fail("requires", f"does not name 'chain-chunks', but {at} is stored in chunks")
+            pieces = check_pieces(level["pieces"], f"{at}.pieces")
+            if not pieces or sum(p.length for p in pieces) > MAX_LEVEL_BYTES:
+                f.fail(f"{at}.pieces", f"must hold 1 to {MAX_LEVEL_BYTES} bytes")
+            levels.append(ChainLevel(step, None, pieces))
+            continue
         records = f.list(f.required(level, "tensors", at), f"{at}.tensors")
-        levels.append(ChainLevel(f.int(f.required(level, "step", at), f"{at}.step"),
-                                 tuple(check_record(r, f"{at}.tensors[{k}]") for k, r in enumerate(records))))
+        levels.append(ChainLevel(step, tuple(check_record(r, f"{at}.tensors[{k}]") for k, r in enumerate(records))))
     return tuple(levels)
+
+
+def check_level(f: Any, body: Any, level: ChainLevel, at: str, check_record: Callable[[Any, str], TensorRecord]
+                ) -> ChainLevel:
+    """``level`` (stored in chunks) with the records of ``body``, the parsed JSON its pieces hold."""
+    body = f.dict(body, at)
+    step = f.int(f.required(body, "step", at), f"{at}.step")
+    if step != level.step:
+        f.fail(f"{at}.step", f"is {step}, but the manifest lists the level as step {level.step}")
+    records = f.list(f.required(body, "tensors", at), f"{at}.tensors")
+    return replace(level, tensors=tuple(check_record(r, f"{at}.tensors[{k}]") for k, r in enumerate(records)))
 
 
 def check_inputs(f: Any, tensors: tuple[TensorRecord, ...], chain: tuple[ChainLevel, ...], requires: tuple[str, ...]
                  ) -> None:
     """Every prediction's inputs resolve to a record of its dtype and shape, at a level the manifest holds; a
-    manifest with predictions declares ``"predicted"`` in ``requires``."""
+    manifest with predictions declares ``"predicted"`` in ``requires``. Records of levels stored in chunks and not
+    read yet, and inputs in them, are checked once a restore reads them (:func:`check_level`, then this again)."""
     levels = [tensors] + [level.tensors for level in chain]
-    by_path = [{t.path: t for t in records} for records in levels]
+    by_path = [None if records is None else {t.path: t for t in records} for records in levels]
     found = False
     for n, records in enumerate(levels):
         where = "tensors" if n == 0 else f"chain[{n - 1}].tensors"
-        for k, record in enumerate(records):
+        for k, record in enumerate(records or ()):
             if record.predict is None:
                 continue
             found = True
             if record.is_lossy:
                 f.fail(f"{where}[{k}].predict", "is on a lossy record")
             for item in record.predict.inputs:
-                source = by_path[n + item.level].get(item.path) if n + item.level < len(levels) else None
+                if n + item.level < len(levels) and by_path[n + item.level] is None:
+                    continue  # a level not read yet
+                source = by_path[n + item.level].get(item.path) if n + item.level < len(levels) else None  # type: ignore[union-attr]
                 if source is None or source.dtype != record.dtype or source.shape != record.shape:
                     f.fail(f"{where}[{k}].predict.inputs", f"name {item.path!r} {item.level} level(s) back, which the "
                                                            "manifest does not hold with the record's dtype and shape")

@@ -178,24 +178,46 @@ class TensorRecord:
 @dataclass(frozen=True)
 class ChainLevel:
     """The records of checkpoint ``step`` that a predicted checkpoint's restore needs, with pieces in the
-    predicted checkpoint's own chunk table: ``chain[0]`` is one step back, ``chain[1]`` two, ..."""
+    predicted checkpoint's own chunk table: ``chain[0]`` is one step back, ``chain[1]`` two, ...
+
+    A level is stored in chunk objects of that table (``pieces``: the bytes of its JSON, :attr:`body_text`), or
+    inline in the manifest (no ``pieces``), as manifests written before chunked levels hold it. ``tensors`` is None
+    for a level read from a manifest until a restore reads its chunks (``_restore/chain.py``)."""
 
     step: int
-    tensors: tuple[TensorRecord, ...]
+    tensors: tuple[TensorRecord, ...] | None
+    pieces: tuple[Piece, ...] | None = None
+
+    @property
+    def records(self) -> tuple[TensorRecord, ...]:
+        """The level's records; only for a level whose records are known (read, or made by this process)."""
+        assert self.tensors is not None, "a level stored in chunks is read before its records are used"
+        return self.tensors
 
     def to_json(self) -> dict[str, Any]:
-        """The level as JSON, made once: a level passes unchanged into every later manifest of its chain (do not
-        modify the result)."""
+        """The level as the manifest holds it, made once: a level passes unchanged into every later manifest of its
+        chain (do not modify the result)."""
         return self._json
 
     @functools.cached_property
     def _json(self) -> dict[str, Any]:
-        return {"step": self.step, "tensors": [t.to_json() for t in self.tensors]}
+        if self.pieces is not None:
+            return {"step": self.step, "pieces": [p.to_json() for p in self.pieces]}
+        return self._body
+
+    @functools.cached_property
+    def _body(self) -> dict[str, Any]:
+        return {"step": self.step, "tensors": [t.to_json() for t in self.records]}
 
     @functools.cached_property
     def json_text(self) -> str:
         """The level as the manifest writes it (``_format/manifest.py``), made once."""
         return json.dumps(self._json, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+
+    @functools.cached_property
+    def body_text(self) -> str:
+        """The level with its records, as its chunks hold it (and as a manifest holds an inline level)."""
+        return json.dumps(self._body, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ import builtins
 import math
 import re
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any, NoReturn
 
 import numpy as np
@@ -26,14 +27,14 @@ import torch
 
 from ..errors import CorruptManifestError, FormatVersionError
 from . import FORMAT_VERSION
-from .predicted import check_chain, check_inputs, check_predict
+from .predicted import check_chain, check_inputs, check_level, check_predict
 from .records import ChunkRef, Descriptor, LossyInfo, Manifest, Piece, TensorRecord
 from .shards import check_boxes, check_sharding, check_shards_node
 
 MANIFEST_FORMAT = "ckptvault.manifest"
 VAULT_FORMAT = "ckptvault.vault"
 #: optional features a manifest may declare in "requires"; a reader refuses any it does not know
-KNOWN_FEATURES = frozenset({"lossy", "xplanes", "sharded", "predicted"})
+KNOWN_FEATURES = frozenset({"lossy", "xplanes", "sharded", "predicted", "chain-chunks"})
 #: the only chunk hash of format version 1
 HASH_NAME = "blake3"
 #: chunk sizes a vault may declare: a multiple of 64 (every dtype's elements end on a chunk boundary) in this range
@@ -165,12 +166,29 @@ def check_manifest(body: Any, what: str, step: int | None = None, chunk_size: in
         if record.is_lossy:
             _check_parts(f, record, f"tensors[{i}].lossy.parts", tensors)
     check_boxes(f, tensors)
-    chain = check_chain(f, body.get("chain", []), lambda record, at: _check_record(f, record, at, raws))
+    chain = check_chain(f, body.get("chain", []), lambda record, at: _check_record(f, record, at, raws),
+                        lambda pieces, at: _pieces(f, pieces, at, raws)[0], requires)
     check_inputs(f, tensors, chain, requires)
     tree = f.required(body, "tree")
     check_sharding(f, tensors, _check_tree(f, tree, tensors), requires)
     return Manifest(tree=tree, tensors=tensors, chunks=chunks, requires=requires, version=version, chain=chain,
                     **header)
+
+
+def check_chain_level(manifest: Manifest, n: int, data: bytes, what: str) -> Manifest:
+    """``manifest`` with chain level ``n`` (stored in chunks) holding the records of ``data``, the bytes its pieces
+    hold; ``what`` names the manifest in messages. Every prediction's inputs are checked again with them. Raises
+    CorruptManifestError."""
+    from .manifest import parse_json  # the manifest module imports this one
+
+    f = _Fields(what)
+    at = f"chain[{n}]"
+    raws = [chunk.raw for chunk in manifest.chunks]
+    body = parse_json(data, f"{what} {at}", CorruptManifestError)
+    level = check_level(f, body, manifest.chain[n], at, lambda record, field: _check_record(f, record, field, raws))
+    chain = (*manifest.chain[:n], level, *manifest.chain[n + 1:])
+    check_inputs(f, manifest.tensors, chain, manifest.requires)
+    return replace(manifest, chain=chain)
 
 
 def _check_requires(f: _Fields, requires: Any) -> tuple[str, ...]:

@@ -1,4 +1,5 @@
-"""Verification: read every chunk a set of checkpoints references and check its hash."""
+"""Verification: read every chunk a set of checkpoints references and check its hash, and every manifest's schema
+(the levels of a restore chain stored in chunks included)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .._feedback import metered
+from .._restore.chain import with_chain
 from .._vault import Vault
 from ..errors import CorruptChunkError, CorruptDataError, ObjectNotFoundError, VaultError
 
@@ -39,6 +41,12 @@ def verify_steps(vault: Vault, steps: list[int], progress: Callable[[int], None]
         for chunk in manifest.chunks:
             users.setdefault(chunk.id, []).append(step)
             sizes[chunk.id] = chunk.raw
+        try:
+            with_chain(vault, manifest)  # restore chain levels stored in chunks: checked as the manifest is
+        except CorruptChunkError:
+            pass  # the chunk checks below report it
+        except CorruptDataError as exc:
+            report.problems.setdefault(step, []).append(str(exc))
 
     progress = metered(progress, sum(sizes.values()))  # each chunk once, as checked
 

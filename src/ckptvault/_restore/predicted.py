@@ -23,6 +23,7 @@ from .._delta.kernels import check_ieee, digest, flat_array, xor_prediction
 from .._format.records import Manifest, PredictInfo, TensorRecord
 from .._vault import Vault
 from ..errors import CorruptManifestError
+from .chain import with_chain
 from .streamed import Levels, families, mismatch, stream, streamable
 
 ReadStored = Callable[[Vault, Manifest, dict[Any, Any]], None]
@@ -57,7 +58,8 @@ def rebuild(vault: Vault, manifest: Manifest, wanted: set[int], read: ReadStored
     rebuilt in the views ``into`` names (exactly a record's bytes) and in new arrays for the rest."""
     check_ieee()
     into = into or {}
-    levels = [manifest.tensors] + [level.tensors for level in manifest.chain]
+    manifest = with_chain(vault, manifest)
+    levels = [manifest.tensors] + [level.records for level in manifest.chain]
     index = [{t.path: k for k, t in enumerate(records)} for records in levels]
     needed = _closure(levels, index, wanted)
     streamed, by_level = [], [set[int]() for _ in levels]

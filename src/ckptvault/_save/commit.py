@@ -25,6 +25,7 @@ from .._vault import Vault
 from .._version import __version__
 from ..errors import InvalidArgumentError, SaveError, StepExistsError
 from ..stores.base import Store, WriteBatch
+from .chain_level import StoreLevel
 from .chunking import Piece
 from .chunks import ChunkResult, finish_batch
 from .guard import ManifestGuard
@@ -39,14 +40,15 @@ LIST_PER_PROBE = 10
 
 def build_manifest(step: int, snapshot: Snapshot, chunks: list[ChunkResult], pieces: list[list[Piece]],
                    metrics: dict[str, Any], metadata: dict[str, Any],
-                   keyframe_step: int | None = None, since_keyframe: int = 0, predicted_from: Manifest | None = None
-                   ) -> Manifest:
+                   keyframe_step: int | None = None, since_keyframe: int = 0, predicted_from: Manifest | None = None,
+                   store_level: StoreLevel | None = None) -> Manifest:
     """The manifest: every tensor, the unique chunks they use, and the statistics.
 
     ``metrics`` and ``metadata`` as :func:`json_fields` returned them. ``keyframe_step`` is the keyframe whose
     chunks this checkpoint's deltas are against (None: this checkpoint is a keyframe); ``since_keyframe`` counts
     checkpoints since it. ``predicted_from``: the checkpoint predicted records are predicted from, whose records
-    they read (and its chain's) the manifest's restore chain lists.
+    they read (and its chain's) the manifest's restore chain lists; ``store_level`` writes the chain's new level in
+    chunks (``chain_level.py``), which the manifest then names instead of holding the level's records.
     """
     table = ChunkTable()
     if not any(r.predict is not None for r in snapshot.records):
@@ -58,9 +60,13 @@ def build_manifest(step: int, snapshot: Snapshot, chunks: list[ChunkResult], pie
     tensors = tuple(_tensor_record(record, leaf_pieces, remap, table)
                     for record, leaf_pieces in zip(snapshot.records, pieces, strict=True))
     chain = build_chain(tensors, predicted_from)
+    if chain and store_level is not None:
+        stored = tuple(records.Piece(table.add(ref), 0, ref.raw) for ref in store_level(chain[0]))
+        chain = (replace(chain[0], pieces=stored), *chain[1:])
     requires = tuple(feature for feature, used in (("lossy", any(t.lossy is not None for t in tensors)),
                                                    ("xplanes", any(c.base for c in table.entries)),
-                                                   ("predicted", bool(chain))) if used)
+                                                   ("predicted", bool(chain)),
+                                                   ("chain-chunks", any(level.pieces for level in chain))) if used)
     manifest = new_manifest(
         step, table, tensors, tree=snapshot.tree, logical_bytes=snapshot.logical_bytes, metrics=metrics,
         metadata=metadata, pickle=snapshot.allow_pickle and any(r.kind == "pickle" for r in snapshot.records),

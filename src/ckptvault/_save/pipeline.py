@@ -39,6 +39,7 @@ from ..handle import SaveHandle
 from ..info import info_from_manifest
 from ..options import AsyncOptions
 from ..rules import CodecRules
+from .chain_level import level_writer
 from .chunks import write_chunks
 from .commit import build_manifest, commit
 from .inflight import InFlight
@@ -145,7 +146,8 @@ class Saver(InFlight):
             try:
                 chunks, pieces = write_chunks(self.vault, snapshot, request.progress, delta, batch)
                 manifest = build_manifest(request.step, snapshot, chunks, pieces, request.metrics,
-                                          request.metadata, delta.keyframe_step, delta.since_keyframe, delta.latest)
+                                          request.metadata, delta.keyframe_step, delta.since_keyframe, delta.latest,
+                                          level_writer(self.vault, batch, delta.guard))
             except BaseException:
                 batch.abandon()
                 raise
