@@ -17,7 +17,7 @@ import torch
 import ckptvault
 from ckptvault import CheckpointManager, DeltaOptions
 from ckptvault._format.manifest import encode_manifest, manifest_key
-from ckptvault.errors import CorruptChunkError, CorruptManifestError, InvalidArgumentError, PredictionError
+from ckptvault.errors import CorruptChunkError, CorruptManifestError, FormatVersionError, InvalidArgumentError, PredictionError
 
 
 def _model(seed: int = 0, width: int = 32) -> torch.nn.Module:
@@ -603,3 +603,24 @@ def test_a_predicted_checkpoint_copied_to_another_vault_restores_there(tmp_path)
     with CheckpointManager(tmp_path / "copy") as copy:
         assert copy.steps() == [5] and copy.verify().ok
         _assert_same(copy.restore(5), saved[5])
+
+
+@pytest.mark.parametrize(("edit", "error", "message"), [
+    (lambda body: body["chain"][0].update(pieces=[[len(body["chunks"]), 0, 10]]), CorruptManifestError,
+     r"field chain\[0\]\.pieces\[0\]"),
+    (lambda body: body["chain"][0].update(pieces=[]), CorruptManifestError,
+     r"field chain\[0\]\.pieces must hold 1 to 268435456 bytes"),
+    (lambda body: body["requires"].remove("chain-chunks"), CorruptManifestError,
+     r"field requires does not name 'chain-chunks', but chain\[0\] is stored in chunks"),
+    (lambda body: body["chain"][0].update(pieces=[body["chain"][0]["pieces"][0][:2] + [5]]), CorruptManifestError,
+     r"manifest .* chain\[0\] is not valid JSON"),
+    (lambda body: body["requires"].append("chain-chunks-2"), FormatVersionError, r"upgrade ckptvault"),
+])
+def test_a_manifest_whose_chain_levels_are_not_what_it_names_is_refused(tmp_path, edit, error, message):
+    _saved, mgr = _train(lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3), 3, tmp_path / "v")
+    with mgr:
+        body = mgr.manifest(3)
+        edit(body)
+        mgr.vault.store.put(manifest_key(3), encode_manifest(body))
+        with pytest.raises(error, match=message):
+            mgr.restore(3)
