@@ -8,7 +8,8 @@ run of chunks: ``_save/chunking.py``), so that slice ``j`` of every record is it
 Each (family, slice) is one task on the vault's threads: it reads and verifies (C3) the slice's chunks deepest
 level first, and rebuilds each predicted record's slice from its inputs' slices into the caller's array (level 0)
 or into scratch memory of the thread (deeper levels, and inputs the caller did not ask for), released once the
-level above is rebuilt. Memory: the outputs, plus a slice of each record of two levels per thread.
+level above is rebuilt. Memory: the outputs, plus a slice of each record of two levels per thread, let go when
+the restore returns.
 
 Each output that is a predicted record is hashed slice by slice in order, as its slices finish, and checked against
 its digest (P2) once all are in. The records of deeper levels, and level-0 inputs the caller did not ask for, are
@@ -150,12 +151,15 @@ class _Run:
     index: list[dict[str, int]]
     outputs: dict[int, np.ndarray]
     digests: dict[int, _InOrder]
+    #: each thread's spare scratch arrays (bytes), reused from slice to slice (fresh memory is slow to fault in)
+    #: and let go with the run
+    spare: dict[int, list[np.ndarray]] = field(default_factory=dict)
 
     def slice(self, family: Family, j: int) -> None:
         """Rebuild slice ``j`` of every record of ``family``, then hash the outputs' slices that are due."""
         lo, hi = family.slices[j]
         values: dict[Node, np.ndarray] = {}
-        scratch = _thread_scratch()
+        scratch = self.spare.setdefault(threading.get_ident(), [])  # only this thread uses its list
         held: dict[int, list[np.ndarray]] = {}  # scratch taken per level
         level = None
         for node in family.order:
@@ -206,17 +210,6 @@ def _take(scratch: list[np.ndarray], held: list[np.ndarray], like: np.ndarray) -
         buffer = np.empty(like.nbytes, dtype=np.uint8)
     held.append(buffer)
     return buffer[: like.nbytes].view(like.dtype)
-
-
-_local = threading.local()
-
-
-def _thread_scratch() -> list[np.ndarray]:
-    """This thread's spare scratch arrays (bytes), kept between tasks: fresh memory is slow to fault in."""
-    spare = getattr(_local, "spare", None)
-    if spare is None:
-        spare = _local.spare = []
-    return spare
 
 
 @dataclass
