@@ -121,9 +121,10 @@ def check_inputs(f: Any, tensors: tuple[TensorRecord, ...], chain: tuple[ChainLe
             if record.is_lossy:
                 f.fail(f"{where}[{k}].predict", "is on a lossy record")
             for item in record.predict.inputs:
-                if n + item.level < len(levels) and by_path[n + item.level] is None:
+                held = by_path[n + item.level] if n + item.level < len(levels) else {}
+                if held is None:
                     continue  # a level not read yet
-                source = by_path[n + item.level].get(item.path) if n + item.level < len(levels) else None  # type: ignore[union-attr]
+                source = held.get(item.path)
                 if source is None or source.dtype != record.dtype or source.shape != record.shape:
                     f.fail(f"{where}[{k}].predict.inputs", f"name {item.path!r} {item.level} level(s) back, which the "
                                                            "manifest does not hold with the record's dtype and shape")
