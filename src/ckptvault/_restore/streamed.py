@@ -30,6 +30,7 @@ from .._format.records import ChunkRef, Manifest, TensorRecord
 from .._parallel import map_all
 from .._vault import Vault
 from ..errors import CorruptManifestError, PredictionError
+from .readahead import read_ahead
 from .verified import read_verified
 
 #: a record of the chain: (level, index into that level's records); level 0 is the checkpoint restored
@@ -125,12 +126,24 @@ def stream(vault: Vault, manifest: Manifest, levels: Levels, index: list[dict[st
                if n == 0 and k in outputs and levels[0][k].predict is not None}
     run = _Run(vault, manifest, levels, index, outputs, digests)
     units = [(family, j) for family in streamed for j in range(len(family.slices))]
-    map_all(vault.pool, run.slice, [family for family, _ in units], [j for _, j in units])
+    with read_ahead(vault.store, [_chunks_of(manifest, levels, family, j) for family, j in units]) as ahead:
+
+        def unit(position: int) -> None:
+            ahead.started(position)
+            run.slice(*units[position])
+
+        map_all(vault.pool, unit, range(len(units)))
     for k, hashed in digests.items():
         info = levels[0][k].predict
         assert info is not None  # only predicted records are hashed
         if hashed.hexdigest() != info.digest:
             raise mismatch(manifest, levels[0][k])
+
+
+def _chunks_of(manifest: Manifest, levels: Levels, family: Family, j: int) -> list[tuple[str, int]]:
+    """The chunk objects slice ``j`` of ``family`` reads, in the order it reads them, with their raw sizes."""
+    refs = [manifest.chunks[levels[n][k].pieces[j].chunk] for n, k in family.order]
+    return [(ref.id, ref.raw) for ref in refs]
 
 
 def mismatch(manifest: Manifest, record: TensorRecord) -> PredictionError:

@@ -30,6 +30,7 @@ from .._vault import Vault
 from ..errors import InvalidArgumentError, KeyMismatchError, PickleNotAllowedError
 from ..rules import any_match
 from .predicted import fill_predicted, is_predicted
+from .readahead import read_ahead
 from .verified import read_verified
 
 #: where read_into writes: a record index, or ("base", index) for a residual's keyframe copy
@@ -114,7 +115,14 @@ def read_stored(vault: Vault, manifest: Manifest, dests: dict[Dest, memoryview |
     if on_filled:
         for key in [key for key, count in left.items() if count == 0]:
             filled(key)
-    map_all(vault.pool, fetch, sorted(jobs))
+    order = sorted(jobs)
+    with read_ahead(vault.store, [[(chunks[c].id, chunks[c].raw)] for c in order]) as ahead:
+
+        def fetch_at(position: int) -> None:
+            ahead.started(position)
+            fetch(order[position])
+
+        map_all(vault.pool, fetch_at, range(len(order)))
 
 
 def clipped(pieces: tuple[Piece, ...], start: int, length: int) -> tuple[Piece, ...]:

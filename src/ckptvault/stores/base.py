@@ -72,6 +72,12 @@ class Store(abc.ABC):
         bytes (and views of them) before it reads again. The local store reads into one buffer per thread."""
         return self.get(key, max_size)
 
+    def prefetch(self, keys: builtins.list[str]) -> None:  # noqa: B027 - optional hook: a hint a store may ignore
+        """A hint that the objects ``keys`` will be read soon, in this order: a store may start reading them into
+        a cache, returning without waiting for them. It never raises for a key that is missing or unreadable (the
+        read that follows reports it). The default does nothing; the local store asks the kernel to read the
+        files ahead (``posix_fadvise(WILLNEED)``)."""
+
     @abc.abstractmethod
     def put(self, key: str, data: bytes | memoryview) -> None:
         """Create or atomically replace an object; durable on return."""
