@@ -144,3 +144,38 @@ def test_restores_hint_every_chunk_they_read_and_stay_exact(tmp_path: Path, monk
     # every chunk of an array is hinted (a predicted restore's two passes may hint one twice); a chain level is
     # read alone, before any array
     assert set(hinted) == table - levels
+
+
+@pytest.mark.parametrize("codec", ["zstd", "lz4", "none", "fast"])
+def test_a_chunk_read_into_a_buffer_is_the_chunk_there(tmp_path: Path, codec: str) -> None:
+    """``Vault.read_chunk(into=)`` for every codec, XOR deltas against a keyframe included (whose base is read into
+    the same thread's read buffer as the delta): the bytes of a plain read, as a view of the buffer."""
+    torch.manual_seed(0)
+    state = {"w": torch.randn(40_000), "b": torch.randn(300).double(), "raw": torch.randint(0, 255, (70_000,), dtype=torch.uint8)}
+    with CheckpointManager(tmp_path / "v", async_save=False, codec=codec, chunk_size=64 << 10) as mgr:
+        mgr.save(1, state)
+        state["w"][::7] += 1e-3  # most chunks of the next save are XOR deltas of these
+        mgr.save(2, state)
+        table = mgr.vault.read_manifest(2).chunks
+        for ref in table:
+            buffer = bytearray(b"\xaa" * (ref.raw + 100))
+            got = mgr.vault.read_chunk(ref.id, expected_raw=ref.raw, into=memoryview(buffer))
+            assert bytes(got) == bytes(mgr.vault.read_chunk(ref.id)), ref.id
+            assert isinstance(got, memoryview) and got.obj is buffer and len(got) == ref.raw
+        with pytest.raises(ValueError, match="cannot take chunk"):
+            mgr.vault.read_chunk(table[0].id, into=memoryview(bytearray(table[0].raw - 1)))
+
+
+def test_a_damaged_chunk_read_into_a_buffer_is_refused(tmp_path: Path) -> None:
+    from ckptvault.errors import CorruptChunkError
+
+    with CheckpointManager(tmp_path / "v", async_save=False) as mgr:
+        mgr.save(1, {"w": torch.randn(100_000)})
+        ref = mgr.vault.read_manifest(1).chunks[0]
+        path = tmp_path / "v" / chunk_key(ref.id)
+        data = bytearray(path.read_bytes())
+        data[-10] ^= 0xFF
+        path.chmod(0o644)
+        path.write_bytes(bytes(data))
+        with pytest.raises(CorruptChunkError, match=ref.id[:12]):
+            mgr.vault.read_chunk(ref.id, into=memoryview(bytearray(ref.raw)))

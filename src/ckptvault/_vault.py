@@ -20,6 +20,8 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
+
 from ._argcheck import check_kind
 from ._codecs import DEFAULT_CODEC, validate_codec_name
 from ._delta.reads import is_plane_delta, read_plane_delta
@@ -132,7 +134,8 @@ class Vault:
         """The vault's chunk size: no chunk of it holds more raw bytes, so no reader decodes more per chunk."""
         return self.require().chunk_size
 
-    def read_chunk(self, cid: str, *, expected_raw: int | None = None) -> bytes | memoryview:
+    def read_chunk(self, cid: str, *, expected_raw: int | None = None,
+                   into: memoryview | None = None) -> bytes | memoryview:
         """Raw bytes of a chunk, verified against its hash; a delta is applied to its base.
 
         Reads one object, or two for a delta (whose base must be a full chunk:
@@ -140,11 +143,28 @@ class Vault:
         ``raw`` is above :meth:`chunk_size` or differs from ``expected_raw`` (the raw length the manifest's chunk
         table gives) is refused before anything is decoded. Raises CorruptChunkError,
         ObjectNotFoundError if the chunk itself is missing.
+
+        ``into``: a writable byte buffer of at least the chunk's raw size that the chunk is decoded or copied
+        into, returning a view of it; the object is then read into this thread's reused read buffer
+        (``Store.get_transient``). A restore that passes buffers it reuses is spared fresh memory per chunk.
         """
+        if into is None:
+            return self._read_chunk(cid, expected_raw)
+        raw = self._read_chunk(cid, expected_raw, into)
+        target = memoryview(into).cast("B")
+        if not _starts_at(raw, target):  # decoded elsewhere (or a view of the transient read buffer): copy it in
+            target[: len(raw)] = raw
+        return target[: len(raw)]
+
+    def _read_chunk(self, cid: str, expected_raw: int | None, into: memoryview | None = None) -> bytes | memoryview:
         max_raw = self.chunk_size()
-        header, payload = parse_object(cid, read_object(self.store, cid, max_raw), max_raw=max_raw,
-                                       expected_raw=expected_raw)
+        header, payload = parse_object(cid, read_object(self.store, cid, max_raw, transient=into is not None),
+                                       max_raw=max_raw, expected_raw=expected_raw)
+        if into is not None and len(into) < header.raw:
+            raise ValueError(f"a buffer of {len(into)} bytes cannot take chunk {cid} ({header.raw} bytes)")
         if is_plane_delta(header):  # reads only the base planes it XORs
+            if into is not None:  # its base is read into the thread's read buffer, which holds this object now
+                payload = memoryview(bytes(payload))
             return read_plane_delta(self.store, cid, header, payload, max_raw)
         base_raw = None
         if header.base is not None:
@@ -166,7 +186,7 @@ class Vault:
                     raise CorruptChunkError(cid, f"its delta base {header.base} is corrupt: BLAKE3 hash of the "
                                                  "decoded bytes does not match the chunk name") from None
                 raise
-        return decode_payload(cid, header, payload)
+        return decode_payload(cid, header, payload, out=into)
 
     def chunk_base(self, cid: str) -> str | None:
         """The delta base of a stored chunk object (None for a full chunk), from its header alone: one read of
@@ -201,3 +221,10 @@ class Vault:
 def _parse_descriptor(raw: bytes, url: str) -> Descriptor:
     what = f"{DESCRIPTOR_KEY} in {url}"
     return check_descriptor(parse_json(raw, what, CorruptManifestError), what)
+
+
+def _starts_at(data: bytes | memoryview, buffer: memoryview) -> bool:
+    """Whether ``data`` is a view that starts at ``buffer``'s first byte."""
+    if not isinstance(data, memoryview) or not len(data) or not len(buffer):
+        return False
+    return np.frombuffer(data, dtype=np.uint8).ctypes.data == np.frombuffer(buffer, dtype=np.uint8).ctypes.data

@@ -82,10 +82,15 @@ def check_chain(specs: Any) -> None:
             raise ValueError(f"stage {i}: {exc}") from None
 
 
-def decode_chain(payload: memoryview, specs: list[Spec], raw_size: int) -> bytes | memoryview:
+def decode_chain(payload: memoryview, specs: list[Spec], raw_size: int,
+                 out: memoryview | None = None) -> bytes | memoryview:
     """Invert :func:`encode_chain`. Sizes of intermediate stages equal ``raw_size``
-    (shuffle preserves length), so every decoder is bounded by it."""
+    (shuffle preserves length), so every decoder is bounded by it. ``out``: where the last stage may write the
+    raw bytes (``BytesStage.decode_into``); the result is a view of it or memory of the chain's own."""
     data: bytes | memoryview = payload
-    for spec in reversed(specs):
-        data = stage_from_spec(spec).decode(memoryview(data), raw_size)
+    for n, spec in enumerate(reversed(specs)):
+        stage = stage_from_spec(spec)
+        last = n == len(specs) - 1
+        data = stage.decode_into(memoryview(data), raw_size, out) if last and out is not None else \
+            stage.decode(memoryview(data), raw_size)
     return data

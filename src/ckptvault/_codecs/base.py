@@ -47,6 +47,12 @@ class BytesStage(abc.ABC):
         """Invert :meth:`encode`; ``out_size`` is the length of the decoded bytes. Never allocates or returns
         more than ``out_size`` bytes (``data`` that claims more raises ValueError before anything is decoded)."""
 
+    def decode_into(self, data: memoryview, out_size: int, out: memoryview) -> bytes | memoryview:
+        """:meth:`decode`, into the writable ``out`` (at least ``out_size`` bytes) where this stage can write there
+        (the result is then a view of ``out``), else into memory of its own, as :meth:`decode`. Reusing ``out``
+        spares a restore fresh memory, which is slow to fault in."""
+        return self.decode(data, out_size)
+
     @abc.abstractmethod
     def spec(self) -> Spec:
         """The JSON spec that :func:`stage_from_spec` turns back into this stage."""

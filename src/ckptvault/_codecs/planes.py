@@ -321,10 +321,16 @@ class BytePlanes(BytesStage):
         return np.frombuffer(plane, dtype=np.uint8)
 
     def decode(self, data: memoryview, out_size: int) -> memoryview:
+        return self._decode(data, out_size, np.empty(out_size, dtype=np.uint8))
+
+    def decode_into(self, data: memoryview, out_size: int, out: memoryview) -> memoryview:
+        return self._decode(data, out_size, np.frombuffer(out, dtype=np.uint8)[:out_size])
+
+    def _decode(self, data: memoryview, out_size: int, out: np.ndarray) -> memoryview:
         planes, entries, tail = self.decode_planes(data, out_size)
         if any(e.xor for e in entries):
             raise ValueError("payload has planes XORed with a delta base, but its stage is not 'xplanes'")
-        return assemble(planes, tail, np.empty(out_size, dtype=np.uint8)).data
+        return assemble(planes, tail, out).data
 
     def spec(self) -> Spec:
         return {"id": self.id, "typesize": self.typesize, "inner": self.inner.spec()}

@@ -179,15 +179,17 @@ def _checked_base(cid: str, base: Any) -> str | None:
 
 
 def decode_payload(cid: str, header: ChunkHeader, payload: memoryview,
-                   base_raw: bytes | memoryview | None = None, verify: bool = True) -> bytes | memoryview:
+                   base_raw: bytes | memoryview | None = None, verify: bool = True,
+                   out: memoryview | None = None) -> bytes | memoryview:
     """Run the codec stages in reverse, apply the delta base if any, and verify the hash.
 
     Returns the raw bytes; raises CorruptChunkError on any mismatch. ``verify=False``
     skips only the final hash check: for a delta's base, whose bytes the delta's own
-    check covers (a damaged base cannot reproduce the delta's hash).
+    check covers (a damaged base cannot reproduce the delta's hash). ``out``: where the
+    last codec stage may write the raw bytes (:func:`decode_chain`).
     """
     try:
-        data = decode_chain(payload, header.codec, header.raw)
+        data = decode_chain(payload, header.codec, header.raw, out)
     except FormatVersionError:
         raise
     except Exception as exc:  # any decoder failure means damaged bytes

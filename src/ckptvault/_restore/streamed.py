@@ -184,26 +184,35 @@ class _Run:
                         del values[dropped]
                 level = n
             record = self.levels[n][k]
-            stored = flat_array(read_verified(self.vault, self.manifest, record.pieces[j].chunk, record.path),
-                                record.dtype)
-            out = self.outputs[k][lo // stored.itemsize: hi // stored.itemsize] if n == 0 and k in self.outputs else None
-            values[node] = self._rebuilt(record, n, lo, stored, out, values, scratch, held.setdefault(n, []))
+            output = self.outputs.get(k) if n == 0 else None
+            out = None if output is None else output[lo // output.itemsize: hi // output.itemsize]
+            if out is not None and record.predict is None:  # decoded straight into the caller's array
+                self._read(record, j, out.view(np.uint8).data)
+                values[node] = out
+                continue
+            kept = record.predict is None  # the stored bytes are the value, read by the levels above
+            borrowed: list[np.ndarray] = []  # the read buffer of a residual, given back once it is XORed
+            buffer = _take(scratch, held.setdefault(n, []) if kept else borrowed, record.pieces[j].length)
+            stored = flat_array(self._read(record, j, buffer.data), record.dtype)
+            values[node] = stored if kept else self._rebuilt(record, n, lo, stored, out, values, scratch,
+                                                             held.setdefault(n, []))
+            scratch.extend(borrowed)
         scratch.extend(buffer for taken in held.values() for buffer in taken)
         for n, k in family.order:
             if n == 0 and k in self.digests:
                 self.digests[k].finished(j)
 
+    def _read(self, record: TensorRecord, j: int, into: memoryview) -> memoryview:
+        """Piece ``j`` of ``record``, its whole chunk, read, verified and decoded into ``into``."""
+        return read_verified(self.vault, self.manifest, record.pieces[j].chunk, record.path, into)
+
     def _rebuilt(self, record: TensorRecord, n: int, lo: int, stored: np.ndarray, out: np.ndarray | None,
                  values: dict[Node, np.ndarray], scratch: list[np.ndarray], held: list[np.ndarray]) -> np.ndarray:
-        """One record's slice from byte ``lo``: its stored bytes, XORed with its prediction if it has one, in ``out`` (the
-        caller's) if given, else in scratch for a prediction and in the chunk read for the rest."""
+        """Predicted ``record``'s slice from byte ``lo``: its stored bytes XORed with its prediction, in ``out`` (the
+        caller's) if given, else in scratch that ``held`` keeps for the levels above."""
         info = record.predict
-        if info is None:
-            if out is None:
-                return stored
-            np.copyto(out, stored)
-            return out
-        target = out if out is not None else _take(scratch, held, stored)
+        assert info is not None  # records stored as they are need no rebuilding
+        target = out if out is not None else _take(scratch, held, stored.nbytes).view(stored.dtype)
         inputs = {i.role: values[(n + i.level, self.index[n + i.level][i.path])] for i in info.inputs}
         first, last = lo // info.block, (lo + stored.nbytes - 1) // info.block
         skip = tuple(b - first for b in info.raw_blocks if first <= b <= last)
@@ -213,16 +222,17 @@ class _Run:
         return target
 
 
-def _take(scratch: list[np.ndarray], held: list[np.ndarray], like: np.ndarray) -> np.ndarray:
-    """A scratch array of ``like``'s dtype and length, from this thread's spare ones where one is large enough."""
+def _take(scratch: list[np.ndarray], held: list[np.ndarray], nbytes: int) -> np.ndarray:
+    """``nbytes`` of scratch bytes, from this thread's spare arrays where one is large enough, noted in ``held``
+    (which gives them back to ``scratch`` once what they hold is no longer read)."""
     for n, spare in enumerate(scratch):
-        if spare.nbytes >= like.nbytes:
+        if spare.nbytes >= nbytes:
             buffer = scratch.pop(n)
             break
     else:
-        buffer = np.empty(like.nbytes, dtype=np.uint8)
+        buffer = np.empty(nbytes, dtype=np.uint8)
     held.append(buffer)
-    return buffer[: like.nbytes].view(like.dtype)
+    return buffer[:nbytes]
 
 
 @dataclass
