@@ -479,6 +479,41 @@ def test_a_streamed_prediction_that_differs_fails_the_restore_loudly(tmp_path, s
         _assert_same(mgr.restore(2), saved[2])
 
 
+def test_a_swapped_residual_chunk_fails_the_streamed_restore_naming_the_chunk(tmp_path, streamed_families, monkeypatch):
+    """The residual chunks of a predicted output are checked through its digest, not hashed as they are read: a chunk
+    object swapped for another that decodes to as many bytes is still named as corrupt, not blamed on the
+    prediction, and every other chunk is hashed on read as always."""
+    from ckptvault._format.chunk_object import chunk_key
+    from ckptvault._vault import Vault
+
+    saved, mgr = _train(lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3), 3, tmp_path / "v", **STREAMED)
+    with mgr:
+        body = mgr.manifest(3)
+        record = next(t for t in body["tensors"] if t["path"] == "model.0.weight")
+        assert "predict" in record
+        level = next(t for t in _chain(mgr, 3)[0]["tensors"] if t["path"] == "model.0.weight")
+        residual, other = (body["chunks"][r["pieces"][0][0]]["id"] for r in (record, level))
+        checked: dict[str, set[bool]] = {}
+        real = Vault.read_chunk
+
+        def noting(self, cid, **kwargs):
+            checked.setdefault(cid, set()).add(kwargs.get("verify", True))
+            return real(self, cid, **kwargs)
+
+        monkeypatch.setattr(Vault, "read_chunk", noting)
+        _assert_same(mgr.restore(3), saved[3])
+        unverified = {cid for cid, flags in checked.items() if False in flags}
+        predicted = {t["path"] for t in body["tensors"] if "predict" in t}
+        owners = {body["chunks"][p[0]]["id"]: t["path"] for t in body["tensors"] for p in t["pieces"]}
+        assert residual in unverified and all(owners[cid] in predicted for cid in unverified)
+        path = tmp_path / "v" / chunk_key(residual)
+        path.chmod(0o644)
+        path.write_bytes((tmp_path / "v" / chunk_key(other)).read_bytes())  # a valid object of another chunk
+        with pytest.raises(CorruptChunkError, match=rf"chunk {residual} is corrupt \(needed by step 3, tensor "
+                                                    r"'model.0.weight'\): BLAKE3 hash"):
+            mgr.restore(3)
+
+
 def test_a_damaged_chunk_of_a_chain_level_fails_the_streamed_restore_naming_it(tmp_path, streamed_families):
     from ckptvault._format.chunk_object import chunk_key
 

@@ -134,8 +134,8 @@ class Vault:
         """The vault's chunk size: no chunk of it holds more raw bytes, so no reader decodes more per chunk."""
         return self.require().chunk_size
 
-    def read_chunk(self, cid: str, *, expected_raw: int | None = None,
-                   into: memoryview | None = None) -> bytes | memoryview:
+    def read_chunk(self, cid: str, *, expected_raw: int | None = None, into: memoryview | None = None,
+                   verify: bool = True) -> bytes | memoryview:
         """Raw bytes of a chunk, verified against its hash; a delta is applied to its base.
 
         Reads one object, or two for a delta (whose base must be a full chunk:
@@ -147,16 +147,20 @@ class Vault:
         ``into``: a writable byte buffer of at least the chunk's raw size that the chunk is decoded or copied
         into, returning a view of it; the object is then read into this thread's reused read buffer
         (``Store.get_transient``). A restore that passes buffers it reuses is spared fresh memory per chunk.
+
+        ``verify=False`` skips the hash check of a full chunk (a delta is always checked): only for a caller that
+        checks the bytes otherwise, as a predicted record's digest covers its residual's (DESIGN C3).
         """
         if into is None:
-            return self._read_chunk(cid, expected_raw)
-        raw = self._read_chunk(cid, expected_raw, into)
+            return self._read_chunk(cid, expected_raw, None, verify)
+        raw = self._read_chunk(cid, expected_raw, into, verify)
         target = memoryview(into).cast("B")
         if not _starts_at(raw, target):  # decoded elsewhere (or a view of the transient read buffer): copy it in
             target[: len(raw)] = raw
         return target[: len(raw)]
 
-    def _read_chunk(self, cid: str, expected_raw: int | None, into: memoryview | None = None) -> bytes | memoryview:
+    def _read_chunk(self, cid: str, expected_raw: int | None, into: memoryview | None,
+                    verify: bool) -> bytes | memoryview:
         max_raw = self.chunk_size()
         header, payload = parse_object(cid, read_object(self.store, cid, max_raw, transient=into is not None),
                                        max_raw=max_raw, expected_raw=expected_raw)
@@ -186,7 +190,7 @@ class Vault:
                     raise CorruptChunkError(cid, f"its delta base {header.base} is corrupt: BLAKE3 hash of the "
                                                  "decoded bytes does not match the chunk name") from None
                 raise
-        return decode_payload(cid, header, payload, out=into)
+        return decode_payload(cid, header, payload, verify=verify, out=into)
 
     def chunk_base(self, cid: str) -> str | None:
         """The delta base of a stored chunk object (None for a full chunk), from its header alone: one read of

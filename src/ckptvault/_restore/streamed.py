@@ -12,8 +12,11 @@ level above is rebuilt. Memory: the outputs, plus a slice of each record of two 
 the restore returns.
 
 Each output that is a predicted record is hashed slice by slice in order, as its slices finish, and checked against
-its digest (P2) once all are in. The records of deeper levels, and level-0 inputs the caller did not ask for, are
-not checked on their own: the outputs' digests cover them, since a wrong input makes a wrong output.
+its digest (P2) once all are in. Its own chunks (the residual) are not hashed as they are read: the XOR with its
+prediction maps them one to one onto the output, so the digest checks their bytes too (C3), and a mismatch reads
+them again, verified, to name a damaged chunk before blaming the prediction. The records of deeper levels, and
+level-0 inputs the caller did not ask for, are not checked on their own: the outputs' digests cover them, since a
+wrong input makes a wrong output (their chunks are hashed as they are read).
 """
 
 from __future__ import annotations
@@ -137,6 +140,8 @@ def stream(vault: Vault, manifest: Manifest, levels: Levels, index: list[dict[st
         info = levels[0][k].predict
         assert info is not None  # only predicted records are hashed
         if hashed.hexdigest() != info.digest:
+            for piece in levels[0][k].pieces:  # its chunks were read unverified: name a damaged one first
+                read_verified(vault, manifest, piece.chunk, levels[0][k].path)
             raise mismatch(manifest, levels[0][k])
 
 
@@ -193,7 +198,8 @@ class _Run:
             kept = record.predict is None  # the stored bytes are the value, read by the levels above
             borrowed: list[np.ndarray] = []  # the read buffer of a residual, given back once it is XORed
             buffer = _take(scratch, held.setdefault(n, []) if kept else borrowed, record.pieces[j].length)
-            stored = flat_array(self._read(record, j, buffer.data), record.dtype)
+            stored = flat_array(self._read(record, j, buffer.data, verify=not (n == 0 and k in self.digests)),
+                                record.dtype)
             values[node] = stored if kept else self._rebuilt(record, n, lo, stored, out, values, scratch,
                                                              held.setdefault(n, []))
             scratch.extend(borrowed)
@@ -202,9 +208,10 @@ class _Run:
             if n == 0 and k in self.digests:
                 self.digests[k].finished(j)
 
-    def _read(self, record: TensorRecord, j: int, into: memoryview) -> memoryview:
-        """Piece ``j`` of ``record``, its whole chunk, read, verified and decoded into ``into``."""
-        return read_verified(self.vault, self.manifest, record.pieces[j].chunk, record.path, into)
+    def _read(self, record: TensorRecord, j: int, into: memoryview, verify: bool = True) -> memoryview:
+        """Piece ``j`` of ``record``, its whole chunk, read, verified (unless the record's digest will be) and
+        decoded into ``into``."""
+        return read_verified(self.vault, self.manifest, record.pieces[j].chunk, record.path, into, verify)
 
     def _rebuilt(self, record: TensorRecord, n: int, lo: int, stored: np.ndarray, out: np.ndarray | None,
                  values: dict[Node, np.ndarray], scratch: list[np.ndarray], held: list[np.ndarray]) -> np.ndarray:

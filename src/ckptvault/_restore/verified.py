@@ -7,13 +7,14 @@ from .._vault import Vault
 from ..errors import CorruptChunkError, ObjectNotFoundError
 
 
-def read_verified(vault: Vault, manifest: Manifest, chunk: int, path: str, into: memoryview | None = None) -> memoryview:
-    """The raw bytes of chunk ``chunk`` of ``manifest``'s table, checked against its name (C3), in ``into`` if given
-    (``Vault.read_chunk``). A missing or damaged chunk is a CorruptChunkError naming the step and ``path`` (a record
-    that needs it)."""
+def read_verified(vault: Vault, manifest: Manifest, chunk: int, path: str, into: memoryview | None = None,
+                  verify: bool = True) -> memoryview:
+    """The raw bytes of chunk ``chunk`` of ``manifest``'s table, checked against its name (C3; ``verify=False``: by
+    the caller, as ``Vault.read_chunk`` says), in ``into`` if given. A missing or damaged chunk is a
+    CorruptChunkError naming the step and ``path`` (a record that needs it)."""
     ref = manifest.chunks[chunk]
     try:
-        return memoryview(vault.read_chunk(ref.id, expected_raw=ref.raw, into=into)).cast("B")
+        return memoryview(vault.read_chunk(ref.id, expected_raw=ref.raw, into=into, verify=verify)).cast("B")
     except ObjectNotFoundError:
         raise CorruptChunkError(ref.id, "the chunk object is missing", manifest.step, path) from None
     except CorruptChunkError as exc:
