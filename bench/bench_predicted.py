@@ -16,7 +16,9 @@ Every step (the demo's GPT, AdamW with warmup-cosine and gradient clipping): ``-
 checkpoints, then the same run checkpointed after every step asynchronously with predictions (and without),
 in turns; training throughput against the run without checkpoints, and bytes added per step against
 torch.save of the state: the new chunks (``added_bytes``), and those plus the checkpoint's manifest file.
-Medians over ``--runs``. The whole comparison runs once per OpenMP wait policy
+With ``--warm-steps``, every run first trains (and checkpoints) that many steps untimed, so that what a long job
+pays once per process (the byte-plane kernels load in the background once 256 MiB of planes went through numpy)
+stays out of the timing. Medians over ``--runs``. The whole comparison runs once per OpenMP wait policy
 (``--omp``), each in a child process, as libgomp reads ``OMP_WAIT_POLICY`` when torch loads: ``passive`` (idle
 intra-op threads sleep) and ``default`` (the variable unset: idle threads spin a while first, and hold both cores
 of this machine throughout a training step). Results: stdout (markdown) and
@@ -128,8 +130,10 @@ def restore_times(path: Path, states: dict[int, Any], runs: int) -> dict[str, fl
     return {"restore_keyframe_s": keyframe, "restore_predicted_s": predicted, "restore_ratio": predicted / keyframe}
 
 
-def every_step(work: Path, steps: int, runs: int, max_chain: int, keyframe_every: int) -> dict[str, Any]:
-    """Throughput and bytes per step of the demo GPT checkpointed after every step."""
+def every_step(work: Path, steps: int, runs: int, max_chain: int, keyframe_every: int,
+               warm_steps: int = 0) -> dict[str, Any]:
+    """Throughput and bytes per step of the demo GPT checkpointed after every step; with ``warm_steps``, that many
+    steps (checkpointed like the rest) run before the clock starts, so one-time costs of a process stay out."""
     seconds: dict[str, list[float]] = defaultdict(list)
     added: dict[str, float] = {}
     manifests: dict[str, float] = {}  # the mean size of a manifest file, which added_bytes does not count
@@ -142,6 +146,12 @@ def every_step(work: Path, steps: int, runs: int, max_chain: int, keyframe_every
             path = fresh_dir(work / f"every-{mode}")
             delta = DeltaOptions(predict=mode == "predicted", max_chain=max_chain, keyframe_every=keyframe_every)
             mgr = CheckpointManager(path, delta=delta) if mode != "none" else None
+            for _ in range(warm_steps):
+                trainer.train_step()
+                if mgr is not None:
+                    mgr.save(trainer.step, trainer.state())
+            if mgr is not None:
+                mgr.wait()
             start = time.perf_counter()
             for _ in range(steps):
                 trainer.train_step()
@@ -160,8 +170,8 @@ def every_step(work: Path, steps: int, runs: int, max_chain: int, keyframe_every
                 mgr.close()
             reference = torch_bytes(trainer.state())
     none = statistics.median(seconds["none"])
-    return {"steps": steps, "torch_bytes": reference, "max_chain": max_chain, "keyframe_every": keyframe_every,
-            "chains": chains, **{f"{m}_s": statistics.median(v) for m, v in seconds.items()},
+    return {"steps": steps, "warm_steps": warm_steps, "torch_bytes": reference, "max_chain": max_chain,
+            "keyframe_every": keyframe_every, "chains": chains, **{f"{m}_s": statistics.median(v) for m, v in seconds.items()},
             **{f"{m}_throughput": none / statistics.median(seconds[m]) for m in ("xor", "predicted")},
             **{f"{m}_added_per_step": added[m] for m in added},
             **{f"{m}_ratio": added[m] / reference for m in added},
@@ -182,7 +192,8 @@ def every_step_per_policy(args: argparse.Namespace) -> dict[str, Any]:
         result = args.work / f"every-{name}.json"
         subprocess.run([sys.executable, __file__, "--every-child", str(result), "--steps", str(args.steps),
                         "--runs", str(args.runs), "--max-chain", str(args.max_chain),
-                        "--keyframe-every", str(args.keyframe_every), "--work", str(args.work)], env=env, check=True)
+                        "--keyframe-every", str(args.keyframe_every), "--warm-steps", str(args.warm_steps),
+                        "--work", str(args.work)], env=env, check=True)
         out[name] = json.loads(result.read_text())
     return out
 
@@ -209,7 +220,8 @@ def markdown(results: dict[str, Any], meta: dict[str, Any]) -> str:
         lines.append(f"| {r['workload']} | " + " | ".join(cells) + " |")
     policies = results.get("every_step") or {}
     for name, e in policies.items():
-        lines += ["", f"Every step, demo GPT ({e['torch_bytes'] / 2**20:.2f} MiB state), {e['steps']} steps, async, "
+        lines += ["", f"Every step, demo GPT ({e['torch_bytes'] / 2**20:.2f} MiB state), {e['steps']} steps timed after "
+                  f"{e.get('warm_steps', 0)} untimed, async, "
                   f"keyframe_every={e['keyframe_every']}, max_chain={e['max_chain']}, OpenMP wait policy {name} "
                   f"(OMP_WAIT_POLICY={OMP_POLICIES[name] or 'unset'}):", "",
                   "| checkpoints | training time | throughput vs none | added per step vs torch.save | with the manifest |",
@@ -233,6 +245,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs", type=int, default=3, help="rounds; medians are reported (default 3)")
     parser.add_argument("--warmup", type=int, default=wi.WARMUP, help="training steps before the keyframe")
     parser.add_argument("--steps", type=int, default=60, help="steps of the every-step run")
+    parser.add_argument("--warm-steps", type=int, default=0,
+                        help="steps of the every-step run, checkpointed alike, before its clock starts (one-time costs "
+                             "of a process out of the timing: the byte-plane kernels load after 256 MiB of planes)")
     parser.add_argument("--max-chain", type=int, default=DeltaOptions().max_chain, help="DeltaOptions.max_chain")
     parser.add_argument("--keyframe-every", type=int, default=DeltaOptions().keyframe_every,
                         help="DeltaOptions.keyframe_every of the every-step run")
@@ -243,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     if args.every_child is not None:
-        found = every_step(args.work, args.steps, args.runs, args.max_chain, args.keyframe_every)
+        found = every_step(args.work, args.steps, args.runs, args.max_chain, args.keyframe_every, args.warm_steps)
         args.every_child.write_text(json.dumps(found))
         return 0
     if not set(args.omp.split(",")) <= set(OMP_POLICIES):
