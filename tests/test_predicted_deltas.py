@@ -659,3 +659,24 @@ def test_a_manifest_whose_chain_levels_are_not_what_it_names_is_refused(tmp_path
         mgr.vault.store.put(manifest_key(3), encode_manifest(body))
         with pytest.raises(error, match=message):
             mgr.restore(3)
+
+
+def test_predictions_that_read_each_other_are_refused_as_a_cycle(tmp_path):
+    """A forged manifest whose first moment is predicted from the second moment that is predicted from it."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with CheckpointManager(tmp_path / "v", async_save=False, delta=DeltaOptions(predict=True)) as mgr:
+        for step in (1, 2):
+            model(torch.randn(3, 8)).sum().backward()
+            opt.step()
+            mgr.save(step, {"model": model.state_dict(), "optimizer": opt.state_dict()})
+        body = mgr.manifest(2)
+        records = {t["path"]: t for t in body["tensors"]}
+        second = records["optimizer.state.0.exp_avg_sq"]
+        assert ["m1", 0, "optimizer.state.0.exp_avg"] in second["predict"]["inputs"]
+        records["optimizer.state.0.exp_avg"]["predict"]["inputs"] = [["x0", 0, second["path"]]]
+        mgr.vault.store.put(manifest_key(2), encode_manifest(body))
+        with pytest.raises(CorruptManifestError, match=r"step 2: the predictions of 'optimizer.state.0.exp_avg' form a cycle"):
+            mgr.restore(2)
+        assert set(mgr.restore(1)) == {"model", "optimizer"}  # the step it was predicted from is untouched
