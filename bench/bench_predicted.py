@@ -130,6 +130,16 @@ def restore_times(path: Path, states: dict[int, Any], runs: int) -> dict[str, fl
     return {"restore_keyframe_s": keyframe, "restore_predicted_s": predicted, "restore_ratio": predicted / keyframe}
 
 
+def train(trainer: Trainer, mgr: CheckpointManager | None, steps: int) -> None:
+    """``steps`` training steps, each saved by ``mgr`` (if any) asynchronously; returns once all are committed."""
+    for _ in range(steps):
+        trainer.train_step()
+        if mgr is not None:
+            mgr.save(trainer.step, trainer.state())
+    if mgr is not None:
+        mgr.wait()
+
+
 def every_step(work: Path, steps: int, runs: int, max_chain: int, keyframe_every: int,
                warm_steps: int = 0) -> dict[str, Any]:
     """Throughput and bytes per step of the demo GPT checkpointed after every step; with ``warm_steps``, that many
@@ -146,19 +156,9 @@ def every_step(work: Path, steps: int, runs: int, max_chain: int, keyframe_every
             path = fresh_dir(work / f"every-{mode}")
             delta = DeltaOptions(predict=mode == "predicted", max_chain=max_chain, keyframe_every=keyframe_every)
             mgr = CheckpointManager(path, delta=delta) if mode != "none" else None
-            for _ in range(warm_steps):
-                trainer.train_step()
-                if mgr is not None:
-                    mgr.save(trainer.step, trainer.state())
-            if mgr is not None:
-                mgr.wait()
+            train(trainer, mgr, warm_steps)
             start = time.perf_counter()
-            for _ in range(steps):
-                trainer.train_step()
-                if mgr is not None:
-                    mgr.save(trainer.step, trainer.state())
-            if mgr is not None:
-                mgr.wait()
+            train(trainer, mgr, steps)
             seconds[mode].append(time.perf_counter() - start)
             if mgr is not None:
                 infos = [mgr.info(s) for s in mgr.steps()]
