@@ -333,6 +333,11 @@ class ReadWatchingStore(LocalStore):
             self.before_get(key)
         return super().get(key, max_size)
 
+    def get_transient(self, key: str, max_size: int | None = None) -> memoryview:
+        if self.before_get:
+            self.before_get(key)
+        return super().get_transient(key, max_size)
+
 
 def test_into_targets_read_through_a_temporary_are_filled_while_later_chunks_are_read(tmp_path: Path) -> None:
     a, b = torch.randn(4096, 64), torch.randn(4096, 64)  # 1 MiB each: four 256 KiB chunks

@@ -104,9 +104,14 @@ def read_stored(vault: Vault, manifest: Manifest, dests: dict[Dest, memoryview |
 
     def fetch(chunk: int) -> None:
         first_key = jobs[chunk][0][0]
-        raw = read_verified(vault, manifest, chunk, tensors[first_key[1] if isinstance(first_key, tuple) else first_key].path)
-        for index, dest_offset, offset, length in jobs[chunk]:
-            view_of(index)[dest_offset : dest_offset + length] = raw[offset : offset + length]
+        path = tensors[first_key[1] if isinstance(first_key, tuple) else first_key].path
+        (index, dest_offset, offset, length), *others = jobs[chunk]
+        if not others and offset == 0 and length == chunks[chunk].raw:  # the chunk is one piece: decoded in place
+            read_verified(vault, manifest, chunk, path, into=view_of(index)[dest_offset : dest_offset + length])
+        else:
+            raw = read_verified(vault, manifest, chunk, path)
+            for index, dest_offset, offset, length in jobs[chunk]:
+                view_of(index)[dest_offset : dest_offset + length] = raw[offset : offset + length]
         if progress:
             progress(chunks[chunk].raw)
         if on_filled:
