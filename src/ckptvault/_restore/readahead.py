@@ -59,10 +59,9 @@ class ReadAhead:
     def _run(self) -> None:
         seen: set[str] = set()
         sizes = [sum(raw for _cid, raw in task) for task in self._tasks]
-        ahead = 0  # raw bytes of the tasks hinted and not yet started
         for position, task in enumerate(self._tasks):
             with self._changed:
-                ahead = sum(sizes[self._started : position])
+                ahead = sum(sizes[self._started : position])  # raw bytes hinted for tasks not yet started
                 while not self._stopped and ahead >= self._window:
                     self._changed.wait()
                     ahead = sum(sizes[self._started : position])
