@@ -24,9 +24,19 @@ import numpy as np
 
 from ._argcheck import check_kind
 from ._codecs import DEFAULT_CODEC, validate_codec_name
+from ._codecs.base import copy_into_parts
 from ._delta.reads import is_plane_delta, read_plane_delta
 from ._format import FORMAT_VERSION
-from ._format.chunk_object import chunk_id, chunk_key, decode_payload, header_length, parse_object, read_object
+from ._format.chunk_object import (
+    ChunkHeader,
+    chunk_id,
+    chunk_key,
+    decode_payload,
+    decode_payload_into_parts,
+    header_length,
+    parse_object,
+    read_object,
+)
 from ._format.manifest import decode_manifest, manifest_key, parse_json, step_of_key
 from ._format.records import Descriptor, Manifest
 from ._format.schema import MAX_CHUNK_SIZE, MIN_CHUNK_SIZE, check_descriptor
@@ -159,15 +169,39 @@ class Vault:
             target[: len(raw)] = raw
         return target[: len(raw)]
 
+    def read_chunk_into_parts(self, cid: str, parts: list[memoryview], *, expected_raw: int | None = None) -> None:
+        """:meth:`read_chunk`, the raw bytes written across ``parts`` (consecutive writable byte views whose lengths
+        add up to the chunk's raw size) and verified there: a chunk packed with several records is decoded into
+        their memory directly, with no buffer of the whole chunk (fresh memory, slow to fault in) and no copy. A
+        chunk stored as a delta is decoded as :meth:`read_chunk` does and copied in. Raises as :meth:`read_chunk`
+        (the parts then hold unspecified bytes), ValueError if the parts do not add up to the chunk's size."""
+        header, payload = self._parsed(cid, expected_raw, transient=True)
+        if header.base is None and not is_plane_delta(header):
+            decode_payload_into_parts(cid, header, payload, parts)
+            return
+        raw = memoryview(self._decoded(cid, header, payload, None, True, transient=True)).cast("B")
+        if sum(len(p) for p in parts) != len(raw):
+            raise ValueError(f"parts of {sum(len(p) for p in parts)} bytes cannot take chunk {cid} ({len(raw)} bytes)")
+        copy_into_parts(raw, parts)
+
+    def _parsed(self, cid: str, expected_raw: int | None, transient: bool) -> tuple[ChunkHeader, memoryview]:
+        max_raw = self.chunk_size()
+        return parse_object(cid, read_object(self.store, cid, max_raw, transient=transient),
+                            max_raw=max_raw, expected_raw=expected_raw)
+
     def _read_chunk(self, cid: str, expected_raw: int | None, into: memoryview | None,
                     verify: bool) -> bytes | memoryview:
-        max_raw = self.chunk_size()
-        header, payload = parse_object(cid, read_object(self.store, cid, max_raw, transient=into is not None),
-                                       max_raw=max_raw, expected_raw=expected_raw)
+        header, payload = self._parsed(cid, expected_raw, transient=into is not None)
         if into is not None and len(into) < header.raw:
             raise ValueError(f"a buffer of {len(into)} bytes cannot take chunk {cid} ({header.raw} bytes)")
+        return self._decoded(cid, header, payload, into, verify, transient=into is not None)
+
+    def _decoded(self, cid: str, header: ChunkHeader, payload: memoryview, into: memoryview | None, verify: bool,
+                 transient: bool) -> bytes | memoryview:
+        """The raw bytes of a parsed chunk object (``transient``: ``payload`` is in this thread's read buffer)."""
+        max_raw = self.chunk_size()
         if is_plane_delta(header):  # reads only the base planes it XORs
-            if into is not None:  # its base is read into the thread's read buffer, which holds this object now
+            if transient:  # its base is read into the thread's read buffer, which holds this object now
                 payload = memoryview(bytes(payload))
             return read_plane_delta(self.store, cid, header, payload, max_raw)
         base_raw = None

@@ -18,7 +18,7 @@ import re
 from typing import Any
 
 from ..errors import InvalidArgumentError
-from .base import BytesStage, Spec, stage_from_spec
+from .base import BytesStage, Spec, copy_into_parts, stage_from_spec
 from .lz4 import Lz4
 from .planes import BytePlanes
 from .shuffle import Shuffle
@@ -27,7 +27,7 @@ from .zstd import Zstd
 
 __all__ = [
     "CODEC_NAMES", "MAX_STAGES", "BytePlanes", "BytesStage", "PlaneDelta", "Shuffle", "Spec", "chain_for", "check_chain",
-    "decode_chain", "encode_chain", "stage_from_spec",
+    "decode_chain", "decode_chain_into_parts", "encode_chain", "stage_from_spec",
 ]
 
 CODEC_NAMES = ("zstd", "lz4", "none", "fast")
@@ -94,3 +94,15 @@ def decode_chain(payload: memoryview, specs: list[Spec], raw_size: int,
         data = stage.decode_into(memoryview(data), raw_size, out) if last and out is not None else \
             stage.decode(memoryview(data), raw_size)
     return data
+
+
+def decode_chain_into_parts(payload: memoryview, specs: list[Spec], raw_size: int, parts: list[memoryview]) -> None:
+    """:func:`decode_chain`, the raw bytes written across ``parts`` (consecutive byte views adding up to
+    ``raw_size``) by the last stage (``BytesStage.decode_into_parts``)."""
+    data: bytes | memoryview = payload
+    for spec in reversed(specs[1:]):
+        data = stage_from_spec(spec).decode(memoryview(data), raw_size)
+    if specs:
+        stage_from_spec(specs[0]).decode_into_parts(memoryview(data), raw_size, parts)
+    else:
+        copy_into_parts(data, parts)

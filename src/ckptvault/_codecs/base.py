@@ -19,6 +19,17 @@ Spec = dict[str, Any]
 _REGISTRY: dict[str, type[BytesStage]] = {}
 
 
+def copy_into_parts(data: bytes | memoryview, parts: list[memoryview]) -> None:
+    """Copy ``data`` across ``parts``, consecutive byte views whose lengths must add up to its length."""
+    source = memoryview(data).cast("B")
+    if len(source) != sum(len(p) for p in parts):
+        raise ValueError(f"decoded to {len(source)} bytes, expected {sum(len(p) for p in parts)}")
+    at = 0
+    for part in parts:
+        part[:] = source[at : at + len(part)]
+        at += len(part)
+
+
 class BytesStage(abc.ABC):
     """One bytes -> bytes transform. Instances are immutable and thread-safe."""
 
@@ -52,6 +63,12 @@ class BytesStage(abc.ABC):
         (the result is then a view of ``out``), else into memory of its own, as :meth:`decode`. Reusing ``out``
         spares a restore fresh memory, which is slow to fault in."""
         return self.decode(data, out_size)
+
+    def decode_into_parts(self, data: memoryview, out_size: int, parts: list[memoryview]) -> None:
+        """:meth:`decode`, its bytes written across ``parts`` in order (writable byte views whose lengths add up to
+        ``out_size``). This stage decodes into memory of its own and copies; a stage that can write each part in
+        place overrides it."""
+        copy_into_parts(self.decode(data, out_size), parts)
 
     @abc.abstractmethod
     def spec(self) -> Spec:

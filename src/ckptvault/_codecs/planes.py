@@ -18,6 +18,8 @@ Payload layout (little-endian)::
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import logging
 import struct
 import sys
@@ -326,11 +328,18 @@ class BytePlanes(BytesStage):
     def decode_into(self, data: memoryview, out_size: int, out: memoryview) -> memoryview:
         return self._decode(data, out_size, np.frombuffer(out, dtype=np.uint8)[:out_size])
 
+    def decode_into_parts(self, data: memoryview, out_size: int, parts: list[memoryview]) -> None:
+        """Interleaves the planes straight into ``parts``: no buffer of the whole chunk, no copy."""
+        assemble_into_parts(*self._planes(data, out_size), [np.frombuffer(p, dtype=np.uint8) for p in parts])
+
     def _decode(self, data: memoryview, out_size: int, out: np.ndarray) -> memoryview:
+        return assemble(*self._planes(data, out_size), out).data
+
+    def _planes(self, data: memoryview, out_size: int) -> tuple[list[np.ndarray], memoryview]:
         planes, entries, tail = self.decode_planes(data, out_size)
         if any(e.xor for e in entries):
             raise ValueError("payload has planes XORed with a delta base, but its stage is not 'xplanes'")
-        return assemble(planes, tail, out).data
+        return planes, tail
 
     def spec(self) -> Spec:
         return {"id": self.id, "typesize": self.typesize, "inner": self.inner.spec()}
@@ -355,6 +364,60 @@ def assemble(planes: list[np.ndarray], tail: memoryview | np.ndarray, out: np.nd
     _interleave(planes, out[:whole])
     out[whole:] = np.frombuffer(tail, dtype=np.uint8)
     return out
+
+
+def assemble_into_parts(planes: list[np.ndarray], tail: memoryview | np.ndarray, parts: list[np.ndarray]) -> None:
+    """:func:`assemble` across ``parts``, consecutive byte arrays whose lengths add up to the raw size. Elements are
+    interleaved a block at a time: a block inside one part (and aligned in it) straight into the part, a block
+    across parts through this thread's scratch memory."""
+    count = len(planes)
+    words = len(planes[0]) if planes else 0
+    into = _Parts(parts)
+    for lo in range(0, words, NUMPY_BLOCK):
+        hi = min(lo + NUMPY_BLOCK, words)
+        target = into.inside(lo * count, hi * count, count)
+        if target is None:
+            target = scratch((hi - lo) * count, "parts")
+            _interleave([p[lo:hi] for p in planes], target)
+            into.write(lo * count, target)
+        else:
+            _interleave([p[lo:hi] for p in planes], target)
+    into.write(words * count, np.frombuffer(tail, dtype=np.uint8))
+
+
+class _Parts:
+    """Consecutive byte arrays addressed as one range of bytes."""
+
+    def __init__(self, parts: list[np.ndarray]) -> None:
+        self.parts = [p for p in parts if len(p)]
+        self.starts = list(itertools.accumulate((len(p) for p in self.parts), initial=0))
+        self.addresses = [p.__array_interface__["data"][0] for p in self.parts]
+        self._at = 0  # the part the last lookup found: blocks come in order
+
+    def _find(self, position: int) -> int:
+        if not self.starts[self._at] <= position < self.starts[self._at + 1]:
+            self._at = bisect.bisect_right(self.starts, position) - 1
+        return self._at
+
+    def inside(self, begin: int, end: int, align: int) -> np.ndarray | None:
+        """Bytes [begin, end) as a view of one part if they lie in one and start at an address that is a multiple
+        of ``align``, else None."""
+        if begin == end:
+            return None
+        i = self._find(begin)
+        if end > self.starts[i + 1] or (self.addresses[i] + begin - self.starts[i]) % align:
+            return None
+        return self.parts[i][begin - self.starts[i] : end - self.starts[i]]
+
+    def write(self, position: int, data: np.ndarray) -> None:
+        """Copy ``data`` into the bytes from ``position`` on, across as many parts as it spans."""
+        done = 0
+        while done < len(data):
+            i = self._find(position + done)
+            offset = position + done - self.starts[i]
+            take = min(len(data) - done, len(self.parts[i]) - offset)
+            self.parts[i][offset : offset + take] = data[done : done + take]
+            done += take
 
 
 _local = threading.local()

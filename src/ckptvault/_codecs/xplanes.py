@@ -42,6 +42,9 @@ class PlaneDelta(BytePlanes):
     def decode(self, data: memoryview, out_size: int) -> memoryview:
         raise ValueError("an xplanes payload needs its base chunk's planes: read the chunk with Vault.read_chunk()")
 
+    def decode_into_parts(self, data: memoryview, out_size: int, parts: list[memoryview]) -> None:
+        self.decode(data, out_size)
+
     def encode_against(self, data: memoryview, base_planes: Sequence[np.ndarray | None],
                        whole_base: Callable[[], Sequence[np.ndarray]] | None = None) -> tuple[list[Buffer], bool]:
         """(payload as a list of buffers to concatenate, whether any plane is XORed) for ``data`` against the

@@ -31,7 +31,7 @@ from typing import Any
 
 import blake3
 
-from .._codecs import MAX_STAGES, Spec, check_chain, decode_chain
+from .._codecs import MAX_STAGES, Spec, check_chain, decode_chain, decode_chain_into_parts
 from .._codecs.base import shown
 from .._codecs.xor import xor
 from ..errors import CorruptChunkError, FormatVersionError, OversizedObjectError
@@ -203,6 +203,27 @@ def decode_payload(cid: str, header: ChunkHeader, payload: memoryview,
     if verify and chunk_id(data) != cid:
         raise CorruptChunkError(cid, "BLAKE3 hash of the decoded bytes does not match the chunk name")
     return data
+
+
+def decode_payload_into_parts(cid: str, header: ChunkHeader, payload: memoryview, parts: list[memoryview]) -> None:
+    """:func:`decode_payload` of a full chunk (no delta base), its raw bytes written across ``parts`` (consecutive
+    writable byte views adding up to ``header.raw``) and verified there. Raises CorruptChunkError on any mismatch,
+    with the parts' bytes then unspecified; ValueError if the parts do not add up or the chunk is a delta."""
+    if header.base is not None:
+        raise ValueError(f"chunk {cid} is a delta: decode it with its base")
+    if sum(len(p) for p in parts) != header.raw:
+        raise ValueError(f"parts of {sum(len(p) for p in parts)} bytes cannot take chunk {cid} ({header.raw} bytes)")
+    try:
+        decode_chain_into_parts(payload, header.codec, header.raw, parts)
+    except FormatVersionError:
+        raise
+    except Exception as exc:  # any decoder failure means damaged bytes
+        raise CorruptChunkError(cid, f"payload does not decode ({type(exc).__name__}: {exc})") from None
+    hasher = blake3.blake3()
+    for part in parts:
+        hasher.update(part)
+    if hasher.hexdigest() != cid:
+        raise CorruptChunkError(cid, "BLAKE3 hash of the decoded bytes does not match the chunk name")
 
 
 def decode_object(cid: str, data: bytes, base_raw: bytes | memoryview | None = None, *,

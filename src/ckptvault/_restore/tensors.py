@@ -11,6 +11,7 @@ from __future__ import annotations
 import difflib
 import functools
 import threading
+import weakref
 from collections import defaultdict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -31,7 +32,7 @@ from ..errors import InvalidArgumentError, KeyMismatchError, PickleNotAllowedErr
 from ..rules import any_match
 from .predicted import fill_predicted, is_predicted
 from .readahead import read_ahead
-from .verified import read_verified
+from .verified import read_verified, read_verified_into_parts
 
 #: where read_into writes: a record index, or ("base", index) for a residual's keyframe copy
 #: a record index; ``("base", i)``: residual record i's keyframe copy; ``("range", i, start, length)``: bytes
@@ -108,6 +109,10 @@ def read_stored(vault: Vault, manifest: Manifest, dests: dict[Dest, memoryview |
         (index, dest_offset, offset, length), *others = jobs[chunk]
         if not others and offset == 0 and length == chunks[chunk].raw:  # the chunk is one piece: decoded in place
             read_verified(vault, manifest, chunk, path, into=view_of(index)[dest_offset : dest_offset + length])
+        elif _tiles(jobs[chunk], chunks[chunk].raw):  # pieces that fill it: decoded straight into them
+            pieces = sorted(jobs[chunk], key=lambda job: job[2])
+            parts = [view_of(index)[dest_offset : dest_offset + length] for index, dest_offset, _, length in pieces]
+            read_verified_into_parts(vault, manifest, chunk, path, parts)
         else:
             raw = read_verified(vault, manifest, chunk, path)
             for index, dest_offset, offset, length in jobs[chunk]:
@@ -128,6 +133,17 @@ def read_stored(vault: Vault, manifest: Manifest, dests: dict[Dest, memoryview |
             fetch(order[position])
 
         map_all(vault.pool, fetch_at, range(len(order)))
+
+
+def _tiles(jobs: list[tuple[Dest, int, int, int]], raw: int) -> bool:
+    """Whether the pieces of ``jobs`` (key, dest offset, chunk offset, length) cover a chunk of ``raw`` bytes
+    exactly once."""
+    position = 0
+    for _key, _dest, offset, length in sorted(jobs, key=lambda job: job[2]):
+        if offset != position:
+            return False
+        position += length
+    return position == raw
 
 
 def clipped(pieces: tuple[Piece, ...], start: int, length: int) -> tuple[Piece, ...]:
@@ -190,6 +206,21 @@ def _lossy(record: TensorRecord) -> LossyInfo:
     return record.lossy
 
 
+_last_leaves: tuple[weakref.ref[Manifest], dict[str, Any]] | None = None
+
+
+def manifest_leaves(manifest: Manifest) -> dict[str, Any]:
+    """``leaf_paths(manifest.tree)`` (not to be modified), kept for the manifest last asked about: a restore asks
+    several times, and walking the tree of a large state takes a millisecond each time."""
+    global _last_leaves
+    last = _last_leaves
+    if last is not None and last[0]() is manifest:
+        return last[1]
+    leaves = leaf_paths(manifest.tree)
+    _last_leaves = (weakref.ref(manifest), leaves)
+    return leaves
+
+
 def select(manifest: Manifest, keys: Iterable[str] | None) -> set[str] | None:
     """Leaf key paths matching ``keys`` (None = everything). Raises if nothing matches."""
     if keys is None:
@@ -197,7 +228,7 @@ def select(manifest: Manifest, keys: Iterable[str] | None) -> set[str] | None:
     patterns = list(keys) if isinstance(keys, Iterable) and not isinstance(keys, str) else [keys]  # one, or a list
     if not all(isinstance(p, str) for p in patterns):
         raise InvalidArgumentError(f"keys must be a key path pattern or a list of them (such as 'model.*'), got {keys!r}")
-    paths = leaf_paths(manifest.tree)
+    paths = manifest_leaves(manifest)
     chosen = {p for p in paths if any_match(p, patterns)}
     if not chosen:
         tops = sorted({p.split(".", 1)[0] for p in paths})
@@ -210,8 +241,8 @@ def restore_tree(vault: Vault, manifest: Manifest, keys: Iterable[str] | None, a
     """Rebuild the saved state (or the part ``keys`` selects) in new tensors and arrays."""
     selected = select(manifest, keys)
     if not allow_pickle:
-        _refuse_pickle(manifest.tree, selected)
-    needed = _leaf_indices(manifest.tree, selected)
+        _refuse_pickle(manifest, selected)
+    needed = _leaf_indices(manifest, selected)
     tensors = manifest.tensors
     lossy = LossyReads(tensors, [i for i in needed if tensors[i].is_lossy])
     values = {i: empty_like_record(tensors[i].kind, tensors[i].dtype, list(tensors[i].shape))
@@ -228,7 +259,7 @@ def restore_tree(vault: Vault, manifest: Manifest, keys: Iterable[str] | None, a
 
 def shard_indices(manifest: Manifest, selected: set[str] | None) -> list[int]:
     """The records :func:`read_sharded` reads: every shard of each selected array stored as shards."""
-    return [index for path, node in leaf_paths(manifest.tree).items()
+    return [index for path, node in manifest_leaves(manifest).items()
             if "shards" in node and (selected is None or path in selected) for index in node["shards"]]
 
 
@@ -259,7 +290,7 @@ class ShardedReads:
         self._temps: dict[Dest, torch.Tensor] = {}
         self._lock = threading.Lock()
         self._lossy_boxes: dict[int, torch.Tensor] = {}
-        for path, node in leaf_paths(manifest.tree).items():
+        for path, node in manifest_leaves(manifest).items():
             if "shards" not in node or (selected is not None and path not in selected):
                 continue
             first = manifest.tensors[node["shards"][0]]
@@ -302,12 +333,12 @@ class ShardedReads:
 
 def sharded_array_paths(manifest: Manifest) -> dict[str, int]:
     """Key path -> first record of every array stored as shards."""
-    return {path: node["shards"][0] for path, node in leaf_paths(manifest.tree).items() if "shards" in node}
+    return {path: node["shards"][0] for path, node in manifest_leaves(manifest).items() if "shards" in node}
 
 
-def _refuse_pickle(tree: dict[str, Any], selected: set[str] | None) -> None:
+def _refuse_pickle(manifest: Manifest, selected: set[str] | None) -> None:
     """Raise before any I/O if a selected leaf was saved with pickle."""
-    for path, node in leaf_paths(tree).items():
+    for path, node in manifest_leaves(manifest).items():
         if "pickle" in node and (selected is None or path in selected):
             raise PickleNotAllowedError(
                 f"key path {path!r} was saved with pickle; pass allow_pickle=True to load it "
@@ -612,9 +643,9 @@ def _found_under(paths: list[str], saved: dict[str, int]) -> dict[str, int]:
     return dict(found)
 
 
-def _leaf_indices(tree: dict[str, Any], selected: set[str] | None) -> set[int]:
+def _leaf_indices(manifest: Manifest, selected: set[str] | None) -> set[int]:
     out = set()
-    for path, node in leaf_paths(tree).items():
+    for path, node in manifest_leaves(manifest).items():
         tag = next(iter(node))
         if tag in ("tensor", "ndarray", "npscalar", "pickle") and (selected is None or path in selected):
             out.add(node[tag])

@@ -19,3 +19,14 @@ def read_verified(vault: Vault, manifest: Manifest, chunk: int, path: str, into:
         raise CorruptChunkError(ref.id, "the chunk object is missing", manifest.step, path) from None
     except CorruptChunkError as exc:
         raise CorruptChunkError(ref.id, exc.reason, manifest.step, path) from None
+
+
+def read_verified_into_parts(vault: Vault, manifest: Manifest, chunk: int, path: str, parts: list[memoryview]) -> None:
+    """:func:`read_verified`, the chunk's raw bytes written across ``parts`` (``Vault.read_chunk_into_parts``)."""
+    ref = manifest.chunks[chunk]
+    try:
+        vault.read_chunk_into_parts(ref.id, parts, expected_raw=ref.raw)
+    except ObjectNotFoundError:
+        raise CorruptChunkError(ref.id, "the chunk object is missing", manifest.step, path) from None
+    except CorruptChunkError as exc:
+        raise CorruptChunkError(ref.id, exc.reason, manifest.step, path) from None
