@@ -12,11 +12,13 @@ level above is rebuilt. Memory: the outputs, plus a slice of each record of two 
 the restore returns.
 
 Each output that is a predicted record is hashed slice by slice in order, as its slices finish, and checked against
-its digest (P2) once all are in. Its own chunks (the residual) are not hashed as they are read: the XOR with its
-prediction maps them one to one onto the output, so the digest checks their bytes too (C3), and a mismatch reads
-them again, verified, to name a damaged chunk before blaming the prediction. The records of deeper levels, and
-level-0 inputs the caller did not ask for, are not checked on their own: the outputs' digests cover them, since a
-wrong input makes a wrong output (their chunks are hashed as they are read).
+its digest (P2) once all are in. Only the chunks of outputs stored as they are get hashed as they are read (C3): every
+other chunk a family reads holds the residual of a predicted output, which the XOR with its prediction maps one to
+one onto the output, or an input of a prediction (a record of a deeper level, or one the caller did not ask for),
+which every output it feeds into recomputes from it. Every record a family reads feeds a predicted output that the
+caller asked for, so the outputs' digests check all their bytes that matter: an output whose digest matches is
+exactly the saved record, whatever its inputs held where they did not count. On a mismatch the family's chunks
+are read again, hashed, so that a damaged chunk is named before the prediction is blamed.
 """
 
 from __future__ import annotations
@@ -140,8 +142,10 @@ def stream(vault: Vault, manifest: Manifest, levels: Levels, index: list[dict[st
         info = levels[0][k].predict
         assert info is not None  # only predicted records are hashed
         if hashed.hexdigest() != info.digest:
-            for piece in levels[0][k].pieces:  # its chunks were read unverified: name a damaged one first
-                read_verified(vault, manifest, piece.chunk, levels[0][k].path)
+            family = next(f for f in streamed if (0, k) in f.order)
+            for n, i in family.order:  # its chunks were read unverified: name a damaged one first
+                for piece in levels[n][i].pieces:
+                    read_verified(vault, manifest, piece.chunk, levels[n][i].path)
             raise mismatch(manifest, levels[0][k])
 
 
@@ -191,15 +195,14 @@ class _Run:
             record = self.levels[n][k]
             output = self.outputs.get(k) if n == 0 else None
             out = None if output is None else output[lo // output.itemsize: hi // output.itemsize]
-            if out is not None and record.predict is None:  # decoded straight into the caller's array
-                self._read(record, j, out.view(np.uint8).data)
+            if out is not None and record.predict is None:  # decoded straight into the caller's array, verified
+                self._read(record, j, out.view(np.uint8).data, verify=True)
                 values[node] = out
                 continue
             kept = record.predict is None  # the stored bytes are the value, read by the levels above
             borrowed: list[np.ndarray] = []  # the read buffer of a residual, given back once it is XORed
             buffer = _take(scratch, held.setdefault(n, []) if kept else borrowed, record.pieces[j].length)
-            stored = flat_array(self._read(record, j, buffer.data, verify=not (n == 0 and k in self.digests)),
-                                record.dtype)
+            stored = flat_array(self._read(record, j, buffer.data, verify=False), record.dtype)  # the digests check it
             values[node] = stored if kept else self._rebuilt(record, n, lo, stored, out, values, scratch,
                                                              held.setdefault(n, []))
             scratch.extend(borrowed)
@@ -208,9 +211,8 @@ class _Run:
             if n == 0 and k in self.digests:
                 self.digests[k].finished(j)
 
-    def _read(self, record: TensorRecord, j: int, into: memoryview, verify: bool = True) -> memoryview:
-        """Piece ``j`` of ``record``, its whole chunk, read, verified (unless the record's digest will be) and
-        decoded into ``into``."""
+    def _read(self, record: TensorRecord, j: int, into: memoryview, verify: bool) -> memoryview:
+        """Piece ``j`` of ``record``, its whole chunk, read, decoded into ``into`` and, with ``verify``, hashed."""
         return read_verified(self.vault, self.manifest, record.pieces[j].chunk, record.path, into, verify)
 
     def _rebuilt(self, record: TensorRecord, n: int, lo: int, stored: np.ndarray, out: np.ndarray | None,
