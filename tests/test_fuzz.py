@@ -65,7 +65,14 @@ from hypothesis import strategies as st
 from ckptvault._codecs import BytePlanes, Shuffle
 from ckptvault._codecs.lz4 import Lz4
 from ckptvault._codecs.zstd import Zstd
-from ckptvault._format.chunk_object import ChunkHeader, chunk_id, decode_payload, encode_object, parse_object
+from ckptvault._format.chunk_object import (
+    ChunkHeader,
+    chunk_id,
+    decode_payload,
+    decode_payload_into_parts,
+    encode_object,
+    parse_object,
+)
 from ckptvault._format.manifest import decode_manifest
 from ckptvault._vault import Vault
 from ckptvault.errors import CorruptChunkError, CorruptManifestError, FormatVersionError
@@ -331,14 +338,29 @@ def names_newer_chunk(data: bytes) -> bool:
 
 def check_chunk_decode(cid: str, data: bytes, original: bytes | None) -> None:
     """parse_object + decode_payload of ``data`` as chunk ``cid``: only typed errors, bounded memory, and if it
-    decodes, to the chunk's bytes (``original``)."""
+    decodes, to the chunk's bytes (``original``); a full chunk decoded across parts the same way."""
     def decode() -> bytes:
         header, payload = parse_object(cid, data)
         base_raw = BASES.get(header.base) if isinstance(header.base, str) else None
         return bytes(decode_payload(cid, header, payload, base_raw))
 
+    def decode_into_parts() -> bytes | None:  # a full chunk of a plausible size, across three parts
+        header, payload = parse_object(cid, data)
+        if header.base is not None or header.raw > CHUNK_PEAK // 4:
+            return None
+        cut = header.raw // 3
+        parts = [memoryview(bytearray(n)) for n in (cut, min(1, header.raw - cut), max(0, header.raw - cut - 1))]
+        decode_payload_into_parts(cid, header, payload, parts)
+        return b"".join(bytes(p) for p in parts)
+
     result, error, peak = run_bounded(decode)
     assert peak <= CHUNK_PEAK, f"decoding a {len(data)}-byte chunk object allocated {peak / 2**20:.0f} MiB"
+    in_parts, parts_error, _peak = run_bounded(decode_into_parts)
+    if parts_error is not None or in_parts is not None:  # decoded both ways: the same outcome
+        assert (parts_error is None) == (error is None), f"decoded one way only: {error!r} / {parts_error!r}"
+        assert parts_error is None or isinstance(parts_error, CHUNK_ERRORS), escaped(parts_error, CHUNK_ERRORS)
+        assert parts_error is None or cid in str(parts_error), f"the error does not name the chunk: {parts_error}"
+        assert in_parts is None or in_parts == result
     if error is None:
         assert chunk_id(result) == cid
         if original is not None:
