@@ -441,6 +441,13 @@ def plan_into(manifest: Manifest, into: Any, strict: bool) -> IntoPlan:
         firsts[index] = target
     check_targets(manifest, ((saved[join_path(prefix, p) if prefix else p], p, t) for p, t in targets.items()
                              if (join_path(prefix, p) if prefix else p) in saved))
+    shard_views = [tensor_bytes(t) for t in shard_targets.values() if isinstance(t, torch.Tensor) and plain_cpu(t)]
+    direct = {i: v for i, v in dests.items() if isinstance(i, int) and isinstance(v, memoryview)}
+    sharing = set(_sharing_memory(direct, shard_views))
+    own = {i: empty_like_record(manifest.tensors[i].kind, manifest.tensors[i].dtype, list(manifest.tensors[i].shape))
+           for i in direct if i in sharing}  # in the order of the key paths, which the copies keep
+    dests.update({i: writable_bytes(buffer) for i, buffer in own.items()})
+    copies[:0] = [(firsts[i], buffer) for i, buffer in own.items()]  # before the tied paths copied from them
     lossy = LossyReads(manifest.tensors, lossy_targets)
     dests.update(lossy.dests())
     if not shard_targets:
@@ -450,6 +457,35 @@ def plan_into(manifest: Manifest, into: Any, strict: bool) -> IntoPlan:
     by_first = {sharded[path]: target.detach() if isinstance(target, torch.Tensor) else target
                 for path, target in shard_targets.items()}
     return IntoPlan(dests, temps, lossy, lossy_targets, copies, reads, by_first)
+
+
+def _sharing_memory(views: dict[int, memoryview], others: list[memoryview]) -> list[int]:
+    """The keys of ``views`` whose bytes overlap those of another view (of ``views`` or ``others``).
+
+    Different saved tensors restored into the same memory (targets tied now but saved apart) cannot be decoded in
+    place: a chunk is hashed where it was decoded, and another tensor's bytes written there meanwhile would read as
+    a damaged chunk. Such targets are read into memory of their own and copied in after every read, in order, the
+    last one winning as with ``load_state_dict``."""
+    spans: list[tuple[int, int, int | None]] = [(_address(v), _address(v) + len(v), key) for key, v in views.items()]
+    spans += [(_address(view), _address(view) + len(view), None) for view in others]
+    spans = sorted((span for span in spans if span[1] > span[0]), key=lambda span: span[:2])
+    shared: list[int] = []
+    cluster: list[int | None] = []
+    end = -1
+    for start, stop, key in spans:
+        if start >= end:
+            if len(cluster) > 1:
+                shared.extend(k for k in cluster if k is not None)
+            cluster, end = [], stop
+        cluster.append(key)
+        end = max(end, stop)
+    if len(cluster) > 1:
+        shared.extend(k for k in cluster if k is not None)
+    return shared
+
+
+def _address(view: memoryview) -> int:
+    return int(np.frombuffer(view, dtype=np.uint8).__array_interface__["data"][0])
 
 
 def _check_whole_targets(manifest: Manifest, sharded: dict[str, int], targets: dict[str, Any]) -> None:
