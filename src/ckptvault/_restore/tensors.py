@@ -15,7 +15,7 @@ import weakref
 from collections import defaultdict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -205,6 +205,8 @@ def _lossy(record: TensorRecord) -> LossyInfo:
     assert record.lossy is not None  # a record LossyReads was given is lossy
     return record.lossy
 
+
+K = TypeVar("K")
 
 _last_leaves: tuple[weakref.ref[Manifest], dict[str, Any]] | None = None
 
@@ -443,7 +445,7 @@ def plan_into(manifest: Manifest, into: Any, strict: bool) -> IntoPlan:
                              if (join_path(prefix, p) if prefix else p) in saved))
     shard_views = [tensor_bytes(t) for t in shard_targets.values() if isinstance(t, torch.Tensor) and plain_cpu(t)]
     direct = {i: v for i, v in dests.items() if isinstance(i, int) and isinstance(v, memoryview)}
-    sharing = set(_sharing_memory(direct, shard_views))
+    sharing = set(sharing_memory(direct, shard_views))
     own = {i: empty_like_record(manifest.tensors[i].kind, manifest.tensors[i].dtype, list(manifest.tensors[i].shape))
            for i in direct if i in sharing}  # in the order of the key paths, which the copies keep
     dests.update({i: writable_bytes(buffer) for i, buffer in own.items()})
@@ -459,18 +461,18 @@ def plan_into(manifest: Manifest, into: Any, strict: bool) -> IntoPlan:
     return IntoPlan(dests, temps, lossy, lossy_targets, copies, reads, by_first)
 
 
-def _sharing_memory(views: dict[int, memoryview], others: list[memoryview]) -> list[int]:
+def sharing_memory(views: dict[K, memoryview], others: list[memoryview]) -> list[K]:
     """The keys of ``views`` whose bytes overlap those of another view (of ``views`` or ``others``).
 
     Different saved tensors restored into the same memory (targets tied now but saved apart) cannot be decoded in
     place: a chunk is hashed where it was decoded, and another tensor's bytes written there meanwhile would read as
     a damaged chunk. Such targets are read into memory of their own and copied in after every read, in order, the
     last one winning as with ``load_state_dict``."""
-    spans: list[tuple[int, int, int | None]] = [(_address(v), _address(v) + len(v), key) for key, v in views.items()]
+    spans: list[tuple[int, int, K | None]] = [(_address(v), _address(v) + len(v), key) for key, v in views.items()]
     spans += [(_address(view), _address(view) + len(view), None) for view in others]
     spans = sorted((span for span in spans if span[1] > span[0]), key=lambda span: span[:2])
-    shared: list[int] = []
-    cluster: list[int | None] = []
+    shared: list[K] = []
+    cluster: list[K | None] = []
     end = -1
     for start, stop, key in spans:
         if start >= end:

@@ -71,7 +71,7 @@ from .._format.keys import step_of_manifest_key
 from .._format.manifest import manifest_key
 from .._format.records import ChunkRef, LossyInfo, Manifest, Node, TensorRecord
 from .._format.schema import check_manifest
-from .._restore.tensors import Dest, LossyReads, read_into
+from .._restore.tensors import Dest, LossyReads, read_into, sharing_memory
 from .._save.chunks import write_chunks
 from .._save.commit import check_step, commit, json_fields
 from .._save.guard import ManifestGuard
@@ -587,21 +587,25 @@ class VaultReader(_OnVault, StorageReader):
                 values.append(item)
             else:
                 by_record[storage[item.storage_index]].append(item)
-        direct: dict[Dest, memoryview | Callable[[], memoryview]] = {}
-        targets: list[tuple[ReadItem, torch.Tensor]] = []
+        direct: dict[Dest, memoryview] = {}
+        targets: dict[Dest, tuple[ReadItem, torch.Tensor]] = {}
         for index, items in list(by_record.items()):
             for item in list(items):
                 run = _run_in(manifest, index, item, planner)
-                if run is not None:
+                if run is not None and run[0] not in direct:
                     key, target = run
                     direct[key] = tensor_bytes(target)
-                    targets.append((item, target))
+                    targets[key] = (item, target)
                     items.remove(item)
-            if not items:
-                del by_record[index]
+        for key in sharing_memory(direct, []):  # targets tied here but saved apart: read whole, copied in below
+            item, _target = targets.pop(key)
+            del direct[key]
+            by_record[storage[item.storage_index]].append(item)
+        for index in [i for i, items in by_record.items() if not items]:
+            del by_record[index]
         if direct:
-            read_into(self._open(), manifest, direct)
-            for item, target in targets:
+            read_into(self._open(), manifest, dict(direct))
+            for item, target in targets.values():
                 planner.commit_tensor(item, target)
         for batch in _batches(manifest, list(by_record)):
             shards = _read_records(self._open(), manifest, batch)
