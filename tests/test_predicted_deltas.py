@@ -10,6 +10,7 @@ import re
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -483,7 +484,6 @@ def test_a_swapped_residual_chunk_fails_the_streamed_restore_naming_the_chunk(tm
     """The residual chunks of a predicted output are checked through its digest, not hashed as they are read: a chunk
     object swapped for another that decodes to as many bytes is still named as corrupt, not blamed on the
     prediction. Chunks of records returned as they are stored are hashed on read as always."""
-    from ckptvault._format.chunk_object import chunk_key
     from ckptvault._vault import Vault
 
     saved, mgr = _train(lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3), 3, tmp_path / "v", **STREAMED)
@@ -506,12 +506,7 @@ def test_a_swapped_residual_chunk_fails_the_streamed_restore_naming_the_chunk(tm
         as_stored = {body["chunks"][p[0]]["id"] for t in body["tensors"] if "predict" not in t for p in t["pieces"]}
         assert residual in unverified and other in unverified  # the residual, and an input from the level below
         assert all(True in checked[cid] for cid in as_stored if cid in checked)
-        path = tmp_path / "v" / chunk_key(residual)
-        path.chmod(0o644)
-        path.write_bytes((tmp_path / "v" / chunk_key(other)).read_bytes())  # a valid object of another chunk
-        with pytest.raises(CorruptChunkError, match=rf"chunk {residual} is corrupt \(needed by step 3, tensor "
-                                                    r"'model.0.weight'\): BLAKE3 hash"):
-            mgr.restore(3)
+        _swap_and_restore(mgr, tmp_path / "v", residual, other)
 
 
 @pytest.mark.parametrize("level", [1, 2])
@@ -519,7 +514,6 @@ def test_a_swapped_input_chunk_fails_the_streamed_restore_naming_the_chunk(tmp_p
     """The chunks of a prediction's inputs (a record of the chain's levels below) are checked through the digests
     of the outputs they feed, not hashed as they are read: one swapped for another valid object of as many bytes
     is named as corrupt, not blamed on the prediction."""
-    from ckptvault._format.chunk_object import chunk_key
 
     saved, mgr = _train(lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3), 3, tmp_path / "v", **STREAMED)
     with mgr:
@@ -528,13 +522,20 @@ def test_a_swapped_input_chunk_fails_the_streamed_restore_naming_the_chunk(tmp_p
         chunks = body["chunks"]
         swapped, raw = chunks[below["pieces"][0][0]]["id"], chunks[below["pieces"][0][0]]["raw"]
         other = next(c["id"] for c in chunks if c["raw"] == raw and c["id"] != swapped)
-        path = tmp_path / "v" / chunk_key(swapped)
-        path.chmod(0o644)
-        path.write_bytes((tmp_path / "v" / chunk_key(other)).read_bytes())  # a valid object of another chunk
-        with pytest.raises(CorruptChunkError, match=rf"chunk {swapped} is corrupt \(needed by step 3, tensor "
-                                                    r"'model.0.weight'\): BLAKE3 hash"):
-            mgr.restore(3)
+        _swap_and_restore(mgr, tmp_path / "v", swapped, other)
         assert streamed_families
+
+
+def _swap_and_restore(mgr: CheckpointManager, vault: Path, swapped: str, other: str) -> None:
+    """Replace chunk object ``swapped`` by ``other``'s (valid, as many raw bytes): restoring step 3 names it."""
+    from ckptvault._format.chunk_object import chunk_key
+
+    path = vault / chunk_key(swapped)
+    path.chmod(0o644)
+    path.write_bytes((vault / chunk_key(other)).read_bytes())
+    with pytest.raises(CorruptChunkError, match=rf"chunk {swapped} is corrupt \(needed by step 3, tensor "
+                                                r"'model.0.weight'\): BLAKE3 hash"):
+        mgr.restore(3)
 
 
 def test_a_damaged_chunk_of_a_chain_level_fails_the_streamed_restore_naming_it(tmp_path, streamed_families):
