@@ -23,6 +23,11 @@ _TORCH_DTYPES: dict[str, torch.dtype] = {
 }
 
 
+def address(buffer: bytes | memoryview) -> int:
+    """The address of a buffer's first byte (of a non-empty one: an empty buffer's is arbitrary)."""
+    return int(np.frombuffer(buffer, dtype=np.uint8).__array_interface__["data"][0])
+
+
 def torch_dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 

@@ -20,9 +20,8 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import numpy as np
-
 from ._argcheck import check_kind
+from ._arrays import address
 from ._codecs import DEFAULT_CODEC, validate_codec_name
 from ._codecs.base import copy_into_parts
 from ._delta.reads import is_plane_delta, read_plane_delta
@@ -265,4 +264,4 @@ def _starts_at(data: bytes | memoryview, buffer: memoryview) -> bool:
     """Whether ``data`` is a view that starts at ``buffer``'s first byte."""
     if not isinstance(data, memoryview) or not len(data) or not len(buffer):
         return False
-    return np.frombuffer(data, dtype=np.uint8).ctypes.data == np.frombuffer(buffer, dtype=np.uint8).ctypes.data
+    return address(data) == address(buffer)

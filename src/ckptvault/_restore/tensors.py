@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
-from .._arrays import empty_like_record, finish_ndarray, plain_cpu, tensor_bytes, torch_dtype, writable_bytes
+from .._arrays import address, empty_like_record, finish_ndarray, plain_cpu, tensor_bytes, torch_dtype, writable_bytes
 from .._codecs.lossy import DEFAULT_BLOCK, LossySpec, decode
 from .._feedback import Progress, metered
 from .._format.records import LossyInfo, Manifest, Piece, TensorRecord
@@ -468,8 +468,8 @@ def sharing_memory(views: dict[K, memoryview], others: list[memoryview]) -> list
     place: a chunk is hashed where it was decoded, and another tensor's bytes written there meanwhile would read as
     a damaged chunk. Such targets are read into memory of their own and copied in after every read, in order, the
     last one winning as with ``load_state_dict``."""
-    spans: list[tuple[int, int, K | None]] = [(_address(v), _address(v) + len(v), key) for key, v in views.items()]
-    spans += [(_address(view), _address(view) + len(view), None) for view in others]
+    spans: list[tuple[int, int, K | None]] = [(address(v), address(v) + len(v), key) for key, v in views.items()]
+    spans += [(address(view), address(view) + len(view), None) for view in others]
     spans = sorted((span for span in spans if span[1] > span[0]), key=lambda span: span[:2])
     shared: list[K] = []
     cluster: list[K | None] = []
@@ -484,10 +484,6 @@ def sharing_memory(views: dict[K, memoryview], others: list[memoryview]) -> list
     if len(cluster) > 1:
         shared.extend(k for k in cluster if k is not None)
     return shared
-
-
-def _address(view: memoryview) -> int:
-    return int(np.frombuffer(view, dtype=np.uint8).__array_interface__["data"][0])
 
 
 def _check_whole_targets(manifest: Manifest, sharded: dict[str, int], targets: dict[str, Any]) -> None:
