@@ -376,12 +376,10 @@ def assemble_into_parts(planes: list[np.ndarray], tail: memoryview | np.ndarray,
     for lo in range(0, words, NUMPY_BLOCK):
         hi = min(lo + NUMPY_BLOCK, words)
         target = into.inside(lo * count, hi * count, count)
+        out = scratch((hi - lo) * count, "parts") if target is None else target
+        _interleave([p[lo:hi] for p in planes], out)
         if target is None:
-            target = scratch((hi - lo) * count, "parts")
-            _interleave([p[lo:hi] for p in planes], target)
-            into.write(lo * count, target)
-        else:
-            _interleave([p[lo:hi] for p in planes], target)
+            into.write(lo * count, out)
     into.write(words * count, np.frombuffer(tail, dtype=np.uint8))
 
 

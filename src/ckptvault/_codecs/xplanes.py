@@ -43,7 +43,7 @@ class PlaneDelta(BytePlanes):
         raise ValueError("an xplanes payload needs its base chunk's planes: read the chunk with Vault.read_chunk()")
 
     def decode_into_parts(self, data: memoryview, out_size: int, parts: list[memoryview]) -> None:
-        self.decode(data, out_size)
+        self.decode(data, out_size)  # raises: as for decode, the base's planes are needed
 
     def encode_against(self, data: memoryview, base_planes: Sequence[np.ndarray | None],
                        whole_base: Callable[[], Sequence[np.ndarray]] | None = None) -> tuple[list[Buffer], bool]:
