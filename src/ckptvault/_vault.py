@@ -27,6 +27,7 @@ from ._codecs.base import copy_into_parts
 from ._delta.reads import is_plane_delta, read_plane_delta
 from ._format import FORMAT_VERSION
 from ._format.chunk_object import (
+    HASH_MISMATCH,
     ChunkHeader,
     chunk_id,
     chunk_key,
@@ -175,13 +176,12 @@ class Vault:
         chunk stored as a delta is decoded as :meth:`read_chunk` does and copied in. Raises as :meth:`read_chunk`
         (the parts then hold unspecified bytes), ValueError if the parts do not add up to the chunk's size."""
         header, payload = self._parsed(cid, expected_raw, transient=True)
+        if sum(len(p) for p in parts) != header.raw:
+            raise ValueError(f"parts of {sum(len(p) for p in parts)} bytes cannot take chunk {cid} ({header.raw} bytes)")
         if header.base is None and not is_plane_delta(header):
             decode_payload_into_parts(cid, header, payload, parts)
-            return
-        raw = memoryview(self._decoded(cid, header, payload, None, True, transient=True)).cast("B")
-        if sum(len(p) for p in parts) != len(raw):
-            raise ValueError(f"parts of {sum(len(p) for p in parts)} bytes cannot take chunk {cid} ({len(raw)} bytes)")
-        copy_into_parts(raw, parts)
+        else:  # decoded with its base (checked to be header.raw bytes), then copied in
+            copy_into_parts(self._decoded(cid, header, payload, None, True, transient=True), parts)
 
     def _parsed(self, cid: str, expected_raw: int | None, transient: bool) -> tuple[ChunkHeader, memoryview]:
         max_raw = self.chunk_size()
@@ -220,8 +220,7 @@ class Vault:
                 return decode_payload(cid, header, payload, base_raw)
             except CorruptChunkError:
                 if chunk_id(base_raw) != header.base:
-                    raise CorruptChunkError(cid, f"its delta base {header.base} is corrupt: BLAKE3 hash of the "
-                                                 "decoded bytes does not match the chunk name") from None
+                    raise CorruptChunkError(cid, f"its delta base {header.base} is corrupt: {HASH_MISMATCH}") from None
                 raise
         return decode_payload(cid, header, payload, verify=verify, out=into)
 

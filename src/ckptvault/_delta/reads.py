@@ -17,13 +17,21 @@ import numpy as np
 from .._codecs import stage_from_spec
 from .._codecs.planes import BytePlanes, assemble, plane_table, scratch, split_planes
 from .._codecs.xplanes import PlaneDelta
-from .._format.chunk_object import ChunkHeader, chunk_id, chunk_key, decode_payload, header_length, parse_object, read_object
+from .._format.chunk_object import (
+    HASH_MISMATCH,
+    ChunkHeader,
+    chunk_id,
+    chunk_key,
+    decode_payload,
+    header_length,
+    parse_object,
+    read_object,
+)
 from ..errors import CorruptChunkError, ObjectNotFoundError
 from ..stores import Store
 
 #: bytes read first from a base: the fixed prefix, the JSON header and the plane table fit in it
 HEAD_READ = 4096
-_MISMATCH = "BLAKE3 hash of the decoded bytes does not match the chunk name"
 
 
 def is_plane_delta(header: ChunkHeader) -> bool:
@@ -48,7 +56,7 @@ def base_planes_for_save(store: Store, base_id: str, typesize: int, *, max_raw: 
     except Exception as exc:  # any decoder failure means damaged bytes
         raise CorruptChunkError(base_id, f"payload does not decode ({type(exc).__name__}: {exc})") from None
     if chunk_id(assemble(planes, tail, scratch(header.raw, "verify")).data) != base_id:
-        raise CorruptChunkError(base_id, _MISMATCH)
+        raise CorruptChunkError(base_id, HASH_MISMATCH)
     return planes
 
 
@@ -69,7 +77,7 @@ def read_plane_delta(store: Store, cid: str, header: ChunkHeader, payload: memor
         raise CorruptChunkError(cid, f"payload does not decode ({type(exc).__name__}: {exc})") from None
     if chunk_id(data) != cid:
         _blame_base(store, cid, header.base, max_raw)
-        raise CorruptChunkError(cid, _MISMATCH)
+        raise CorruptChunkError(cid, HASH_MISMATCH)
     return data
 
 

@@ -26,6 +26,8 @@ from __future__ import annotations
 import json
 import re
 import struct
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -188,12 +190,8 @@ def decode_payload(cid: str, header: ChunkHeader, payload: memoryview,
     check covers (a damaged base cannot reproduce the delta's hash). ``out``: where the
     last codec stage may write the raw bytes (:func:`decode_chain`).
     """
-    try:
+    with _decoder_failures(cid):
         data = decode_chain(payload, header.codec, header.raw, out)
-    except FormatVersionError:
-        raise
-    except Exception as exc:  # any decoder failure means damaged bytes
-        raise CorruptChunkError(cid, f"payload does not decode ({type(exc).__name__}: {exc})") from None
     if len(data) != header.raw:
         raise CorruptChunkError(cid, f"decoded to {len(data)} bytes, header says {header.raw}")
     if header.base is not None:
@@ -201,7 +199,7 @@ def decode_payload(cid: str, header: ChunkHeader, payload: memoryview,
             raise CorruptChunkError(cid, f"delta base {header.base} is missing or has the wrong length")
         data = xor(data, base_raw, in_place=True)  # data is this function's own decode output
     if verify and chunk_id(data) != cid:
-        raise CorruptChunkError(cid, "BLAKE3 hash of the decoded bytes does not match the chunk name")
+        raise CorruptChunkError(cid, HASH_MISMATCH)
     return data
 
 
@@ -213,17 +211,29 @@ def decode_payload_into_parts(cid: str, header: ChunkHeader, payload: memoryview
         raise ValueError(f"chunk {cid} is a delta: decode it with its base")
     if sum(len(p) for p in parts) != header.raw:
         raise ValueError(f"parts of {sum(len(p) for p in parts)} bytes cannot take chunk {cid} ({header.raw} bytes)")
-    try:
+    with _decoder_failures(cid):
         decode_chain_into_parts(payload, header.codec, header.raw, parts)
-    except FormatVersionError:
-        raise
-    except Exception as exc:  # any decoder failure means damaged bytes
-        raise CorruptChunkError(cid, f"payload does not decode ({type(exc).__name__}: {exc})") from None
     hasher = blake3.blake3()
     for part in parts:
         hasher.update(part)
     if hasher.hexdigest() != cid:
-        raise CorruptChunkError(cid, "BLAKE3 hash of the decoded bytes does not match the chunk name")
+        raise CorruptChunkError(cid, HASH_MISMATCH)
+
+
+#: why a chunk whose decoded bytes are not what its name says is refused
+HASH_MISMATCH = "BLAKE3 hash of the decoded bytes does not match the chunk name"
+
+
+@contextmanager
+def _decoder_failures(cid: str) -> Iterator[None]:
+    """Any decoder failure as a CorruptChunkError naming chunk ``cid`` (a newer format's FormatVersionError as
+    it is)."""
+    try:
+        yield
+    except FormatVersionError:
+        raise
+    except Exception as exc:  # any decoder failure means damaged bytes
+        raise CorruptChunkError(cid, f"payload does not decode ({type(exc).__name__}: {exc})") from None
 
 
 def decode_object(cid: str, data: bytes, base_raw: bytes | memoryview | None = None, *,

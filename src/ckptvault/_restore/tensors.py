@@ -109,8 +109,8 @@ def read_stored(vault: Vault, manifest: Manifest, dests: dict[Dest, memoryview |
         (index, dest_offset, offset, length), *others = jobs[chunk]
         if not others and offset == 0 and length == chunks[chunk].raw:  # the chunk is one piece: decoded in place
             read_verified(vault, manifest, chunk, path, into=view_of(index)[dest_offset : dest_offset + length])
-        elif _tiles(jobs[chunk], chunks[chunk].raw):  # pieces that fill it: decoded straight into them
-            pieces = sorted(jobs[chunk], key=lambda job: job[2])
+        elif _tiles(pieces := sorted(jobs[chunk], key=lambda job: job[2]), chunks[chunk].raw):
+            # pieces that fill it: decoded straight into them
             parts = [view_of(index)[dest_offset : dest_offset + length] for index, dest_offset, _, length in pieces]
             read_verified_into_parts(vault, manifest, chunk, path, parts)
         else:
@@ -135,11 +135,11 @@ def read_stored(vault: Vault, manifest: Manifest, dests: dict[Dest, memoryview |
         map_all(vault.pool, fetch_at, range(len(order)))
 
 
-def _tiles(jobs: list[tuple[Dest, int, int, int]], raw: int) -> bool:
-    """Whether the pieces of ``jobs`` (key, dest offset, chunk offset, length) cover a chunk of ``raw`` bytes
+def _tiles(pieces: list[tuple[Dest, int, int, int]], raw: int) -> bool:
+    """Whether ``pieces`` (key, dest offset, chunk offset, length; in chunk order) cover a chunk of ``raw`` bytes
     exactly once."""
     position = 0
-    for _key, _dest, offset, length in sorted(jobs, key=lambda job: job[2]):
+    for _key, _dest, offset, length in pieces:
         if offset != position:
             return False
         position += length
