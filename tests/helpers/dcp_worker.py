@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -136,13 +137,28 @@ def load_run(rank: int, world: int, store: str, url: str, out: str, step: int, v
     dist.destroy_process_group()
 
 
+def run_rank(rank: int, fn: Any, *args: Any) -> None:
+    """Run ``fn(rank, *args)``, then end the process at once (exit code 0) if it returned.
+
+    A rank that finishes normally would go on to interpreter finalization while gloo's worker threads may still
+    be destroying the last collective's work (a barrier holding earlier broadcasts' tensors): their Python
+    references, released without the GIL a finalizing interpreter no longer hands out, abort the process
+    ("terminate called without an active exception"). Everything a rank reports is written before it returns,
+    so nothing is lost by skipping finalization; an exception still propagates (exit code 1, with its traceback).
+    """
+    fn(rank, *args)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def spawn(fn: Any, world: int, args: tuple[Any, ...], tmp: Path, timeout: float = 120) -> None:
-    """Run ``fn(rank, world, store, *args)`` on ``world`` spawned processes; fail (killing them) after
-    ``timeout`` seconds."""
+    """Run ``fn(rank, world, store, *args)`` on ``world`` spawned processes (through ``run_rank``); fail
+    (killing them) after ``timeout`` seconds."""
     import torch.multiprocessing as mp
 
     store = tmp / f"store-{fn.__name__}-{world}-{os.getpid()}-{time.monotonic_ns()}"
-    context = mp.spawn(fn, args=(world, str(store), *args), nprocs=world, join=False)
+    context = mp.spawn(run_rank, args=(fn, world, str(store), *args), nprocs=world, join=False)
     deadline = time.monotonic() + timeout
     while not context.join(timeout=1):
         if time.monotonic() > deadline:

@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 import ckptvault
 from ckptvault.errors import KeyMismatchError, RankFailedError, StepExistsError, StorageFullError, UnsharedVaultError
-from helpers.dcp_worker import FULL, Net, _init, _sharded
+from helpers.dcp_worker import FULL, Net, _init, _sharded, run_rank
 
 
 def _train(net: Net, opt: torch.optim.Optimizer, steps: int) -> None:
@@ -200,7 +200,7 @@ def spawn_independent(fn: Any, world: int, args: tuple[Any, ...], tmp: Path, tim
 
     context = multiprocessing.get_context("spawn")
     store = tmp / f"store-{fn.__name__}-{world}-{os.getpid()}-{time.monotonic_ns()}"
-    processes = [context.Process(target=fn, args=(rank, world, str(store), *args)) for rank in range(world)]
+    processes = [context.Process(target=run_rank, args=(rank, fn, world, str(store), *args)) for rank in range(world)]
     for process in processes:
         process.start()
     deadline = time.monotonic() + timeout
