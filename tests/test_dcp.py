@@ -367,3 +367,20 @@ def test_load_into_tensors_tied_in_the_target_but_saved_apart(tmp_path: Path, n:
     shared = torch.zeros(n)
     dcp.load({"a": shared, "b": shared}, storage_reader=VaultReader(url, 1))
     assert torch.equal(shared, saved["a"]) or torch.equal(shared, saved["b"])
+
+
+@pytest.mark.parametrize("n", [100, 2_000_000])  # packed with others in one chunk; alone in chunks of its own
+def test_restore_into_tensors_tied_in_the_target_but_saved_apart_as_shards(tmp_path: Path, n: int) -> None:
+    """The same through ``restore(into=)``, which rebuilds arrays stored as shards in their targets: arrays whose
+    targets share memory are rebuilt apart and copied in after the reads, the last key path winning as with
+    ``load_state_dict``; no chunk is blamed, and the untied target beside them is filled too."""
+    torch.manual_seed(n)
+    saved = {"a": torch.randn(n), "b": torch.randn(n), "c": torch.randn(n)}
+    url = str(tmp_path / "v")
+    dcp.save(dict(saved), storage_writer=VaultWriter(url, 1))
+    shared, alone = torch.zeros(n), torch.zeros(n)
+    with ckptvault.CheckpointManager(url) as mgr:
+        assert "shards" in json.dumps(mgr.manifest(1)["tree"])
+        target = {"a": shared, "b": shared, "c": alone}
+        assert mgr.restore(1, into=target) is target
+    assert torch.equal(shared, saved["b"]) and torch.equal(alone, saved["c"])

@@ -443,9 +443,10 @@ def plan_into(manifest: Manifest, into: Any, strict: bool) -> IntoPlan:
         firsts[index] = target
     check_targets(manifest, ((saved[join_path(prefix, p) if prefix else p], p, t) for p, t in targets.items()
                              if (join_path(prefix, p) if prefix else p) in saved))
-    shard_views = [tensor_bytes(t) for t in shard_targets.values() if isinstance(t, torch.Tensor) and plain_cpu(t)]
+    shard_views = {p: tensor_bytes(t) for p, t in shard_targets.items() if isinstance(t, torch.Tensor) and plain_cpu(t)}
     direct = {i: v for i, v in dests.items() if isinstance(i, int) and isinstance(v, memoryview)}
-    sharing = set(sharing_memory(direct, shard_views))
+    sharing = set(sharing_memory(direct, list(shard_views.values())))
+    shared_shards = set(sharing_memory(shard_views, list(direct.values())))  # rebuilt apart, copied in after the reads
     own = {i: empty_like_record(manifest.tensors[i].kind, manifest.tensors[i].dtype, list(manifest.tensors[i].shape))
            for i in direct if i in sharing}  # in the order of the key paths, which the copies keep
     dests.update({i: writable_bytes(buffer) for i, buffer in own.items()})
@@ -454,7 +455,7 @@ def plan_into(manifest: Manifest, into: Any, strict: bool) -> IntoPlan:
     dests.update(lossy.dests())
     if not shard_targets:
         return IntoPlan(dests, temps, lossy, lossy_targets, copies)
-    reads = ShardedReads(manifest, set(shard_targets), shard_targets)
+    reads = ShardedReads(manifest, set(shard_targets), {p: t for p, t in shard_targets.items() if p not in shared_shards})
     dests.update(reads.dests)
     by_first = {sharded[path]: target.detach() if isinstance(target, torch.Tensor) else target
                 for path, target in shard_targets.items()}
