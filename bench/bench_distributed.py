@@ -401,6 +401,11 @@ def rank_main(rank: int, world: int, store: str, job: dict[str, Any]) -> None:
         dist.barrier()
     finally:
         dist.destroy_process_group()
+    # gloo's worker thread may still be destroying the last barrier's work while the interpreter finalizes, which
+    # aborts the process (std::terminate); the results are written, so end at once
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 # -- the driver ------------------------------------------------------------------------------------------------
