@@ -704,3 +704,54 @@ def test_predictions_that_read_each_other_are_refused_as_a_cycle(tmp_path):
         with pytest.raises(CorruptManifestError, match=r"step 2: the predictions of 'optimizer.state.0.exp_avg' form a cycle"):
             mgr.restore(2)
         assert set(mgr.restore(1)) == {"model", "optimizer"}  # the step it was predicted from is untouched
+
+
+def _first_predicted(body: dict, op: str = "adam-sq-1") -> dict:
+    return next(t for t in body["tensors"] if t.get("predict", {}).get("op") == op)
+
+
+@pytest.mark.parametrize(("edit", "error", "message"), [
+    (lambda b: _first_predicted(b)["predict"].update(op="adam-sq-9"), CorruptManifestError,
+     r"predict\.op is 'adam-sq-9', not one of the predictions format version 1 defines \(same-1, scale-1, "),
+    (lambda b: _first_predicted(b)["predict"].update(op=7), CorruptManifestError,
+     r"predict\.op must be a string, not"),
+    (lambda b: _first_predicted(b)["predict"].pop("digest"), CorruptManifestError, r"predict\.digest is missing"),
+    (lambda b: _first_predicted(b)["predict"].update(digest="AB" * 32), CorruptManifestError,
+     r"predict\.digest is not a BLAKE3 hex digest"),
+    (lambda b: _first_predicted(b)["predict"].update(digest="ab" * 31), CorruptManifestError,
+     r"predict\.digest is not a BLAKE3 hex digest"),
+    (lambda b: _first_predicted(b)["predict"]["inputs"].pop(), CorruptManifestError,
+     r"predict\.inputs name roles \['m0', 'v0'\]; adam-sq-1 takes \['m0', 'm1', 'v0'\]"),
+    (lambda b: _first_predicted(b)["predict"]["inputs"][0].pop(), CorruptManifestError,
+     r"predict\.inputs\[0\] is not \[role, level, path\]"),
+    (lambda b: _first_predicted(b)["predict"]["inputs"][0].__setitem__(1, 2), CorruptManifestError,
+     r"predict\.inputs\[0\]\[1\] is 2, outside 0\.\.1"),
+    (lambda b: _first_predicted(b)["predict"]["inputs"][0].__setitem__(2, "model.nowhere"), CorruptManifestError,
+     r"predict\.inputs name 'model\.nowhere' 1 level\(s\) back, which the manifest does not hold with the record's "
+     r"dtype and shape"),
+    (lambda b: _first_predicted(b)["predict"]["scalars"].pop("b2"), CorruptManifestError,
+     r"predict\.scalars name \['b1', 'one_minus_b1', 'one_minus_b2'\]; adam-sq-1 takes "
+     r"\['b1', 'b2', 'one_minus_b1', 'one_minus_b2'\]"),
+    (lambda b: _first_predicted(b)["predict"]["scalars"].update(b2="0.95"), CorruptManifestError,
+     r"predict\.scalars\.b2 must be a finite number, not '0\.95'"),
+    (lambda b: _first_predicted(b)["predict"].update(block=0), CorruptManifestError,
+     r"predict\.block is 0, outside >= 1"),
+    (lambda b: _first_predicted(b)["predict"].update(raw_blocks=[-1]), CorruptManifestError,
+     r"predict\.raw_blocks\[0\] is -1, outside >= 0"),
+    (lambda b: _first_predicted(b)["predict"].pop("from_step"), CorruptManifestError, r"predict\.from_step is missing"),
+    (lambda b: _first_predicted(b).update(dtype="int32"), CorruptManifestError,
+     r"predict is on a record of dtype int32; predictions are only of float32, float64"),
+    (lambda b: b["requires"].remove("predicted"), CorruptManifestError,
+     r"field requires does not name 'predicted', but records are predicted"),
+])
+def test_a_malformed_prediction_in_a_manifest_is_refused_naming_the_field(tmp_path, edit, error, message):
+    """Each check of a record's ``"predict"`` entry and of its inputs (a forged manifest, or one from a newer
+    ckptvault): a typed error naming the manifest and the field, raised before anything is restored."""
+    _saved, mgr = _train(lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3), 3, tmp_path / "v")
+    with mgr:
+        body = mgr.manifest(3)
+        edit(body)
+        mgr.vault.store.put(manifest_key(3), encode_manifest(body))
+        with pytest.raises(error, match=rf"manifest manifests/0+3\.json in .*: field tensors\[\d+\]\.{message}"
+                           if message.startswith("predict") else message):
+            mgr.restore(3)
