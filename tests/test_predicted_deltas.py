@@ -755,3 +755,19 @@ def test_a_malformed_prediction_in_a_manifest_is_refused_naming_the_field(tmp_pa
         with pytest.raises(error, match=rf"manifest manifests/0+3\.json in .*: field tensors\[\d+\]\.{message}"
                            if message.startswith("predict") else message):
             mgr.restore(3)
+
+
+def test_a_prediction_on_a_lossy_record_is_refused(tmp_path):
+    """A forged ``"predict"`` entry on a record stored lossily (predictions are of exact bytes only)."""
+    with CheckpointManager(tmp_path / "v", async_save=False, codec_rules={"w": "fp16"}) as mgr:
+        mgr.save(1, {"w": torch.randn(256), "x": torch.randn(256)})
+        body = mgr.manifest(1)
+        record = next(t for t in body["tensors"] if t["path"] == "w")
+        assert record["lossy"]["codec"] == "fp16"
+        record["predict"] = {"op": "same-1", "inputs": [["x0", 0, "x"]], "scalars": {}, "digest": "ab" * 32,
+                             "block": 4096, "raw_blocks": [], "from_step": 1}
+        body["requires"].append("predicted")
+        mgr.vault.store.put(manifest_key(1), encode_manifest(body))
+        with pytest.raises(CorruptManifestError, match=r"manifest manifests/0+1\.json in .*: field tensors\[\d+\]\."
+                                                       r"predict is on a lossy record"):
+            mgr.restore(1)
