@@ -90,8 +90,8 @@ def test_while_a_batch_writes_only_its_newest_window_stays_cached(disk_dir: Path
     cached = [0] * count
     dropped = [False] * count
     for path, n in by_path.items():
-        cached[index[path.read_bytes()[:64]]] = n
-        dropped[index[path.read_bytes()[:64]]] = path in asked
+        i = index[path.read_bytes()[:64]]
+        cached[i], dropped[i] = n, path in asked
     window = DROP_BEHIND_WINDOW // MIB
     assert cached[: count - window] == [0] * (count - window)
     assert dropped == [True] * (count - window) + [False] * window

@@ -10,12 +10,12 @@ end: no record may need a level the manifest does not hold.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
 from ..errors import PredictionError
+from . import HEX_DIGEST
 from .records import ChainLevel, ChunkRef, Manifest, Piece, PredictInfo, PredictInput, TensorRecord
 
 #: the kernels this version can compute, by versioned name, with the input roles and scalars each takes
@@ -30,8 +30,6 @@ KERNEL_SIGNATURES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
 }
 #: the dtypes predictions are computed in
 PREDICTED_DTYPES = ("float32", "float64")
-#: an output's digest: BLAKE3, 64 lowercase hex digits
-_HEX_DIGEST = re.compile(r"[0-9a-f]{64}", re.ASCII)
 
 
 def check_predict(f: Any, body: Any, at: str, record_dtype: str) -> PredictInfo:
@@ -53,7 +51,7 @@ def check_predict(f: Any, body: Any, at: str, record_dtype: str) -> PredictInfo:
     if sorted(scalars) != sorted(scalar_names):
         f.fail(f"{at}.scalars", f"name {sorted(scalars)}; {op} takes {sorted(scalar_names)}")
     digest = f.str(f.required(body, "digest", at), f"{at}.digest")
-    if not _HEX_DIGEST.fullmatch(digest):
+    if not HEX_DIGEST.fullmatch(digest):
         f.fail(f"{at}.digest", "is not a BLAKE3 hex digest")
     block = f.int(f.required(body, "block", at), f"{at}.block", 1)
     raw = tuple(f.int(b, f"{at}.raw_blocks[{k}]") for k, b in enumerate(f.list(body.get("raw_blocks", []),

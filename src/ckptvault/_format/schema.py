@@ -17,7 +17,6 @@ import base64
 import binascii
 import builtins
 import math
-import re
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any, NoReturn
@@ -26,7 +25,7 @@ import numpy as np
 import torch
 
 from ..errors import CorruptManifestError, FormatVersionError
-from . import FORMAT_VERSION
+from . import FORMAT_VERSION, HEX_DIGEST
 from .predicted import check_chain, check_inputs, check_level, check_predict
 from .records import ChunkRef, Descriptor, LossyInfo, Manifest, Piece, TensorRecord
 from .shards import check_boxes, check_sharding, check_shards_node
@@ -47,7 +46,6 @@ MAX_DIMS = 64
 #: steps are written as 20 decimal digits in manifest keys
 MAX_STEP = 10**20 - 1
 
-_HEX_ID = re.compile(r"[0-9a-f]{64}", re.ASCII)
 _NUMPY_KINDS = "biufc"
 _LOSSY_CODECS = ("bf16", "fp16", "int8-block", "residual-int8", "lossless")
 _BLOCK_CODECS = ("int8-block", "residual-int8")
@@ -100,7 +98,7 @@ class _Fields:
         return float(value)
 
     def chunk_id(self, value: Any, field: builtins.str) -> builtins.str:
-        if not isinstance(value, str) or not _HEX_ID.fullmatch(value):
+        if not isinstance(value, str) or not HEX_DIGEST.fullmatch(value):
             self.fail(field, f"must be a chunk id (64 lowercase hex digits), not {_short(value)}")
         return value
 
