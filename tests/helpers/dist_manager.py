@@ -185,6 +185,7 @@ def unshared(rank: int, world: int, store: str, base: str, out: str) -> None:
             mgr.save(1, {"w": torch.ones(4) * rank})
         except UnsharedVaultError as exc:
             report = {"error": str(exc), "ranks": {str(k): v for k, v in exc.ranks.items()}}
+    dist.barrier()  # rank 0 deletes its probe after the gather: list only once every rank is past it
     report["files"] = sorted(str(p.relative_to(base)) for p in Path(base).rglob("*") if p.is_file())
     Path(out, f"unshared_rank{rank}.json").write_text(json.dumps(report))
     dist.barrier()
