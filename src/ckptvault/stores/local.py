@@ -30,6 +30,14 @@ cache nor evicts the training job's cached files with them, but each chunk
 writer waits for the device ("auto": on ext4 and XFS; True: wherever the file
 system accepts it). Reads stay buffered.
 
+Reads of chunk objects (:meth:`LocalStore.get_transient`) of :data:`MAP_FROM`
+bytes or more map the file read-only and fault it in with one
+``madvise(MADV_POPULATE_READ)`` (Linux 5.14+), which reports an I/O error as an
+error: no copy out of the page cache and no fresh memory to fault in, which is
+most of a small restore's cost in a new process. A file truncated from outside
+while it is mapped ends the process with SIGBUS (ckptvault never rewrites an
+object; a delete leaves the mapping whole).
+
 With ``drop_behind`` (on by default where ``posix_fadvise`` exists) what the
 store writes leaves the page cache once it is durable or written back. A
 single ``put`` drops its object right after the fsync. A batch drops its
@@ -448,11 +456,16 @@ class LocalStore(Store):
         return tmp
 
     def get_transient(self, key: str, max_size: int | None = None) -> memoryview:
-        """The object's bytes in this thread's read buffer, reused by its next call: for a reader that is done
-        with them (and with views of them) before then. Spares a fresh allocation per read."""
+        """The object's bytes, for a reader that is done with them (and with views of them) before this thread's
+        next call. An object of :data:`MAP_FROM` bytes or more is mapped read-only and its pages faulted in with
+        one call, which reads what the page cache lacks (:func:`_map_populated`): no copy, and no fresh memory
+        to fault in; elsewhere, or if that fails, it is read into this thread's reusable read buffer."""
         with _classified(key), open(self._open_object(key), "rb", buffering=0) as f:
             size = os.fstat(f.fileno()).st_size
             check_size(self, key, size, max_size)
+            mapped = _map_populated(f.fileno(), size, key) if size >= MAP_FROM else None
+            if mapped is not None:
+                return mapped
             buffer = _thread_buffer("read", size)
             got = 0
             while got < size:
@@ -790,6 +803,38 @@ _start_writeback = _linux_call("sync_file_range", [ctypes.c_int, ctypes.c_longlo
 _SYNC_FILE_RANGE_WRITE = 2  # start write-back of the dirty pages, without waiting
 #: statfs(path, buf), to tell the file system type for direct_io="auto"
 _statfs = _linux_call("statfs", [ctypes.c_char_p, ctypes.c_char_p], (2, 6))
+
+
+#: objects of this size or more are read by mapping them (:meth:`LocalStore.get_transient`); below it a read
+#: into a reused buffer costs less than setting up a mapping
+MAP_FROM = 256 << 10
+#: madvise(MADV_POPULATE_READ) (Linux 5.14+): faults a file mapping's pages in, reporting an I/O error as an
+#: error instead of a SIGBUS at the first touch; it is what makes mapped reads safe, so without it there are none
+_MADV_POPULATE_READ = 22
+_can_map = sys.platform.startswith("linux") and hasattr(mmap, "MADV_WILLNEED")
+
+
+def _map_populated(fd: int, size: int, key: str) -> memoryview | None:
+    """A read-only view of the open file ``fd``'s ``size`` bytes, mapped and with every page in memory; None where
+    mapped reads are not available (then no later call tries again) or this one failed (the caller reads)."""
+    global _can_map
+    if not _can_map:
+        return None
+    try:
+        mapped = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+    except OSError as exc:  # a file system that cannot map files
+        log.debug("could not map %s (%s): reading it", key, exc)
+        return None
+    try:
+        mapped.madvise(mmap.MADV_WILLNEED)  # large reads for what the page cache lacks, not one per fault
+        mapped.madvise(_MADV_POPULATE_READ)
+    except OSError as exc:
+        mapped.close()
+        if exc.errno == errno.EINVAL:  # a kernel before 5.14
+            _can_map = False
+        log.debug("could not fault in %s (%s): reading it", key, exc)
+        return None
+    return memoryview(mapped)
 
 
 _buffers = threading.local()

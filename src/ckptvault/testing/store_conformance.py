@@ -281,6 +281,10 @@ class StoreConformance:
         store.put("transient/b", b"bb")
         assert bytes(store.get_transient("transient/a")) == b"a" * 5000
         assert bytes(store.get_transient("transient/b")) == b"bb"  # a shorter object after a longer one
+        large = bytes(range(256)) * 1200  # 300 KiB: large enough that a store may read it another way
+        store.put("transient/c", large)
+        assert bytes(store.get_transient("transient/c")) == large
+        assert bytes(store.get_transient("transient/a")) == b"a" * 5000
         with pytest.raises(ObjectNotFoundError):
             store.get_transient("transient/missing")
 

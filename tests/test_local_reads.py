@@ -1,0 +1,95 @@
+"""How the local store reads chunk objects (``LocalStore.get_transient``): large objects through a read-only mapping
+whose pages are faulted in with one call, small ones (and every object where mapping is not available) into the
+reading thread's reused buffer; the bytes are the same either way, and so is every check made on them."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import ckptvault
+from ckptvault.errors import CorruptChunkError
+from ckptvault.stores import local
+from ckptvault.stores.local import MAP_FROM, LocalStore
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mapped reads are Linux-only")
+
+
+@pytest.fixture(autouse=True)
+def _restore_can_map(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A test that turns mapped reads off (as a kernel without MADV_POPULATE_READ does) turns them off for itself."""
+    monkeypatch.setattr(local, "_can_map", local._can_map)
+
+
+def test_a_large_object_is_read_through_a_read_only_mapping_and_a_small_one_into_the_buffer(tmp_path: Path) -> None:
+    store = LocalStore(tmp_path / "v")
+    big, small = os.urandom(MAP_FROM), os.urandom(MAP_FROM - 1)
+    store.put("chunks/big", big)
+    store.put("chunks/small", small)
+    mapped = store.get_transient("chunks/big")
+    assert mapped.readonly and bytes(mapped) == big
+    buffered = store.get_transient("chunks/small")
+    assert not buffered.readonly and bytes(buffered) == small
+    assert bytes(mapped) == big  # the buffered read that came after it left the mapping alone
+
+
+def test_a_mapped_read_stays_whole_when_the_object_is_deleted_under_it(tmp_path: Path) -> None:
+    """A gc that deletes a chunk while a restore still holds its bytes takes nothing from the reader."""
+    store = LocalStore(tmp_path / "v")
+    data = os.urandom(2 * MAP_FROM)
+    store.put("chunks/a", data)
+    view = store.get_transient("chunks/a")
+    store.delete("chunks/a")
+    assert not store.exists("chunks/a")
+    assert bytes(view) == data
+
+
+def test_a_kernel_that_refuses_the_populate_advice_reads_into_the_buffer_from_then_on(tmp_path: Path,
+                                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """An advice the kernel does not know fails with EINVAL (a kernel before 5.14 for MADV_POPULATE_READ): that read,
+    and every later one, goes into the thread's buffer instead, with the same bytes."""
+    store = LocalStore(tmp_path / "v")
+    data = os.urandom(MAP_FROM + 4096)
+    store.put("chunks/a", data)
+    monkeypatch.setattr(local, "_MADV_POPULATE_READ", 0x7FFF)  # no such advice
+    first = store.get_transient("chunks/a")
+    assert not first.readonly and bytes(first) == data
+    assert local._can_map is False
+    monkeypatch.setattr(local, "_MADV_POPULATE_READ", 22)
+    assert not store.get_transient("chunks/a").readonly  # not tried again
+
+
+@pytest.mark.parametrize("mapped", [True, False], ids=["mapped", "buffered"])
+def test_restores_read_the_same_bytes_and_find_the_same_damage_either_way(tmp_path: Path, mapped: bool,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(local, "_can_map", local._can_map and mapped)
+    maps: list[int] = []
+    real_map = local._map_populated
+
+    def counted(fd: int, size: int, key: str) -> memoryview | None:
+        view = real_map(fd, size, key)
+        maps.append(view is not None)
+        return view
+
+    monkeypatch.setattr(local, "_map_populated", counted)
+    state = {"w": torch.randn(1 << 20), "b": torch.randn(1000), "step": 3}  # a 4 MiB chunk and a small one
+    with ckptvault.CheckpointManager(tmp_path / "v", async_save=False) as mgr:
+        mgr.save(1, state)
+        restored = mgr.restore(1)
+        assert torch.equal(restored["w"], state["w"]) and torch.equal(restored["b"], state["b"])
+        manifest = mgr.manifest(1)
+    assert any(maps) is mapped  # the 4 MiB chunk was read through a mapping, or not at all through one
+    big = max(manifest["chunks"], key=lambda c: c["raw"])
+    path = tmp_path / "v" / "chunks" / big["id"][:2] / big["id"]
+    damaged = bytearray(path.read_bytes())
+    assert len(damaged) >= MAP_FROM
+    damaged[len(damaged) // 2] ^= 0x40
+    path.write_bytes(bytes(damaged))
+    with ckptvault.CheckpointManager(tmp_path / "v", async_save=False) as mgr:
+        with pytest.raises(CorruptChunkError, match=big["id"]):
+            mgr.restore(1)
+    assert any(maps) is mapped
