@@ -16,13 +16,23 @@ from ckptvault.errors import CorruptChunkError
 from ckptvault.stores import local
 from ckptvault.stores.local import MAP_FROM, LocalStore
 
+
+def cache_all(root: Path) -> None:
+    """Read every file under ``root`` once, so the page cache holds it (the store drops what it writes)."""
+    for path in root.rglob("*"):
+        if path.is_file():
+            path.read_bytes()
+
+
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mapped reads are Linux-only")
 
 
 @pytest.fixture(autouse=True)
-def _restore_can_map(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A test that turns mapped reads off (as a kernel without MADV_POPULATE_READ does) turns them off for itself."""
+def _fresh_reader(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each test reads as a new thread does (none of its reads mapped yet); one that turns mapped reads off (as a
+    kernel without MADV_POPULATE_READ does) turns them off for itself."""
     monkeypatch.setattr(local, "_can_map", local._can_map)
+    monkeypatch.setattr(local._buffers, "mapped_reads", 0, raising=False)
 
 
 def test_a_large_object_is_read_through_a_read_only_mapping_and_a_small_one_into_the_buffer(tmp_path: Path) -> None:
@@ -30,6 +40,7 @@ def test_a_large_object_is_read_through_a_read_only_mapping_and_a_small_one_into
     big, small = os.urandom(MAP_FROM), os.urandom(MAP_FROM - 1)
     store.put("chunks/big", big)
     store.put("chunks/small", small)
+    cache_all(tmp_path / "v")
     mapped = store.get_transient("chunks/big")
     assert mapped.readonly and bytes(mapped) == big
     buffered = store.get_transient("chunks/small")
@@ -37,11 +48,40 @@ def test_a_large_object_is_read_through_a_read_only_mapping_and_a_small_one_into
     assert bytes(mapped) == big  # the buffered read that came after it left the mapping alone
 
 
+def test_a_thread_maps_its_first_large_reads_then_reads_into_its_buffer(tmp_path: Path) -> None:
+    """Mapping spares a new buffer's fresh memory; once a thread has read that much, its buffer (faulted in by
+    then) takes the rest, as a copy into it costs less than a mapping set up and torn down per read."""
+    store = LocalStore(tmp_path / "v")
+    data = os.urandom(MAP_FROM)
+    store.put("chunks/a", data)
+    cache_all(tmp_path / "v")
+    reads = [store.get_transient("chunks/a") for _ in range(local.MAPPED_READS + 2)]
+    assert [view.readonly for view in reads] == [True] * local.MAPPED_READS + [False, False]
+    assert all(bytes(view) == data for view in reads[: local.MAPPED_READS]) and bytes(reads[-1]) == data
+
+
+def test_a_file_the_page_cache_does_not_hold_whole_is_read_not_mapped(tmp_path: Path) -> None:
+    """Faults read a mapping in far smaller pieces than one read(2) asks for: a file the disk must supply is read."""
+    store = LocalStore(tmp_path / "v")
+    data = os.urandom(2 * MAP_FROM)
+    store.put("chunks/a", data)  # the store drops what it wrote from the page cache once it is durable
+    path = tmp_path / "v" / "chunks" / "a"
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    first = store.get_transient("chunks/a")
+    assert not first.readonly and bytes(first) == data
+    assert store.get_transient("chunks/a").readonly  # read once, the file is cached whole: mapped
+
+
 def test_a_mapped_read_stays_whole_when_the_object_is_deleted_under_it(tmp_path: Path) -> None:
     """A gc that deletes a chunk while a restore still holds its bytes takes nothing from the reader."""
     store = LocalStore(tmp_path / "v")
     data = os.urandom(2 * MAP_FROM)
     store.put("chunks/a", data)
+    cache_all(tmp_path / "v")
     view = store.get_transient("chunks/a")
     store.delete("chunks/a")
     assert not store.exists("chunks/a")
@@ -55,6 +95,7 @@ def test_a_kernel_that_refuses_the_populate_advice_reads_into_the_buffer_from_th
     store = LocalStore(tmp_path / "v")
     data = os.urandom(MAP_FROM + 4096)
     store.put("chunks/a", data)
+    cache_all(tmp_path / "v")
     monkeypatch.setattr(local, "_MADV_POPULATE_READ", 0x7FFF)  # no such advice
     first = store.get_transient("chunks/a")
     assert not first.readonly and bytes(first) == data
@@ -79,6 +120,7 @@ def test_restores_read_the_same_bytes_and_find_the_same_damage_either_way(tmp_pa
     state = {"w": torch.randn(1 << 20), "b": torch.randn(1000), "step": 3}  # a 4 MiB chunk and a small one
     with ckptvault.CheckpointManager(tmp_path / "v", async_save=False) as mgr:
         mgr.save(1, state)
+        cache_all(tmp_path / "v")
         restored = mgr.restore(1)
         assert torch.equal(restored["w"], state["w"]) and torch.equal(restored["b"], state["b"])
         manifest = mgr.manifest(1)
@@ -89,6 +131,8 @@ def test_restores_read_the_same_bytes_and_find_the_same_damage_either_way(tmp_pa
     assert len(damaged) >= MAP_FROM
     damaged[len(damaged) // 2] ^= 0x40
     path.write_bytes(bytes(damaged))
+    cache_all(tmp_path / "v")
+    monkeypatch.setattr(local._buffers, "mapped_reads", 0)
     with ckptvault.CheckpointManager(tmp_path / "v", async_save=False) as mgr:
         with pytest.raises(CorruptChunkError, match=big["id"]):
             mgr.restore(1)

@@ -30,13 +30,17 @@ cache nor evicts the training job's cached files with them, but each chunk
 writer waits for the device ("auto": on ext4 and XFS; True: wherever the file
 system accepts it). Reads stay buffered.
 
-Reads of chunk objects (:meth:`LocalStore.get_transient`) of :data:`MAP_FROM`
-bytes or more map the file read-only and fault it in with one
+A thread's first few reads of chunk objects (:meth:`LocalStore.get_transient`)
+of :data:`MAP_FROM` bytes or more that the page cache holds whole
+(``mincore``) map the file read-only and fault it in with one
 ``madvise(MADV_POPULATE_READ)`` (Linux 5.14+), which reports an I/O error as an
 error: no copy out of the page cache and no fresh memory to fault in, which is
-most of a small restore's cost in a new process. A file truncated from outside
-while it is mapped ends the process with SIGBUS (ckptvault never rewrites an
-object; a delete leaves the mapping whole).
+most of a small restore's cost in a new process. Later reads go into the
+thread's buffer, faulted in by then, which a copy fills faster than a mapping
+is set up and torn down; a file the disk must supply is always read with
+``read``, whose large requests a mapping's faults do not match. A file truncated from outside while
+it is mapped ends the process with SIGBUS (ckptvault never rewrites an object;
+a delete leaves the mapping whole).
 
 With ``drop_behind`` (on by default where ``posix_fadvise`` exists) what the
 store writes leaves the page cache once it is durable or written back. A
@@ -85,6 +89,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal
+
+import numpy as np
 
 from ..errors import (
     InvalidArgumentError,
@@ -457,15 +463,20 @@ class LocalStore(Store):
 
     def get_transient(self, key: str, max_size: int | None = None) -> memoryview:
         """The object's bytes, for a reader that is done with them (and with views of them) before this thread's
-        next call. An object of :data:`MAP_FROM` bytes or more is mapped read-only and its pages faulted in with
-        one call, which reads what the page cache lacks (:func:`_map_populated`): no copy, and no fresh memory
-        to fault in; elsewhere, or if that fails, it is read into this thread's reusable read buffer."""
+        next call. A thread's first :data:`MAPPED_READS` objects of :data:`MAP_FROM` bytes or more that the page
+        cache holds whole are mapped read-only, their pages faulted in with one call (:func:`_map_populated`):
+        no copy, and no fresh memory to fault in, which a new buffer would need (slow, above all in a new
+        process). Every other object is read into this thread's reusable read buffer, which, once faulted in,
+        a copy fills faster than a mapping is set up and torn down."""
         with _classified(key), open(self._open_object(key), "rb", buffering=0) as f:
             size = os.fstat(f.fileno()).st_size
             check_size(self, key, size, max_size)
-            mapped = _map_populated(f.fileno(), size, key) if size >= MAP_FROM else None
-            if mapped is not None:
-                return mapped
+            mapped_so_far = getattr(_buffers, "mapped_reads", 0)
+            if size >= MAP_FROM and mapped_so_far < MAPPED_READS:
+                mapped = _map_populated(f.fileno(), size, key)
+                if mapped is not None:
+                    _buffers.mapped_reads = mapped_so_far + 1
+                    return mapped
             buffer = _thread_buffer("read", size)
             got = 0
             while got < size:
@@ -805,18 +816,25 @@ _SYNC_FILE_RANGE_WRITE = 2  # start write-back of the dirty pages, without waiti
 _statfs = _linux_call("statfs", [ctypes.c_char_p, ctypes.c_char_p], (2, 6))
 
 
-#: objects of this size or more are read by mapping them (:meth:`LocalStore.get_transient`); below it a read
-#: into a reused buffer costs less than setting up a mapping
+#: objects of this size or more are read by mapping them where the page cache holds all of them
+#: (:meth:`LocalStore.get_transient`); below it a read into a reused buffer costs less than setting up a mapping
 MAP_FROM = 256 << 10
+#: large reads a thread maps before it reads into its buffer: enough for a small state's few chunks, while a large
+#: restore's many reads go through buffers that are faulted in by then
+MAPPED_READS = 4
 #: madvise(MADV_POPULATE_READ) (Linux 5.14+): faults a file mapping's pages in, reporting an I/O error as an
 #: error instead of a SIGBUS at the first touch; it is what makes mapped reads safe, so without it there are none
 _MADV_POPULATE_READ = 22
-_can_map = sys.platform.startswith("linux") and hasattr(mmap, "MADV_WILLNEED")
+#: mincore(addr, length, vec): which pages of a mapping the page cache holds
+_mincore = _linux_call("mincore", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p], (5, 14))
+_can_map = _mincore is not None and hasattr(mmap, "MAP_SHARED")
 
 
 def _map_populated(fd: int, size: int, key: str) -> memoryview | None:
-    """A read-only view of the open file ``fd``'s ``size`` bytes, mapped and with every page in memory; None where
-    mapped reads are not available (then no later call tries again) or this one failed (the caller reads)."""
+    """A read-only view of the open file ``fd``'s ``size`` bytes, mapped with every page in memory, if the page
+    cache holds all of them; else None and the caller reads the file, as it does where mapped reads are not
+    available (found once: then no later call tries). A file the disk must supply is read, never mapped: faults
+    read a mapping in far smaller pieces than one ``read`` of the file asks for."""
     global _can_map
     if not _can_map:
         return None
@@ -826,15 +844,32 @@ def _map_populated(fd: int, size: int, key: str) -> memoryview | None:
         log.debug("could not map %s (%s): reading it", key, exc)
         return None
     try:
-        mapped.madvise(mmap.MADV_WILLNEED)  # large reads for what the page cache lacks, not one per fault
+        if not _all_cached(mapped, size):
+            mapped.close()
+            return None
         mapped.madvise(_MADV_POPULATE_READ)
     except OSError as exc:
         mapped.close()
-        if exc.errno == errno.EINVAL:  # a kernel before 5.14
+        if exc.errno in (errno.EINVAL, errno.ENOSYS):  # a kernel without MADV_POPULATE_READ or mincore
             _can_map = False
-        log.debug("could not fault in %s (%s): reading it", key, exc)
+        log.debug("could not map %s (%s): reading it", key, exc)
         return None
     return memoryview(mapped)
+
+
+def _all_cached(mapped: mmap.mmap, size: int) -> bool:
+    """Whether the page cache holds every page of the file ``mapped`` maps (``mincore(2)``)."""
+    assert _mincore is not None
+    pages = -(-size // mmap.PAGESIZE)
+    resident = ctypes.create_string_buffer(pages)
+    view = np.frombuffer(mapped, dtype=np.uint8)  # its address; released before the caller may close the map
+    try:
+        if _mincore(view.ctypes.data, size, resident) != 0:
+            code = ctypes.get_errno()
+            raise OSError(code, os.strerror(code))
+    finally:
+        del view
+    return bool((np.frombuffer(resident.raw, dtype=np.uint8) & 1).all())
 
 
 _buffers = threading.local()
