@@ -32,7 +32,7 @@ def _fresh_reader(monkeypatch: pytest.MonkeyPatch) -> None:
     """Each test reads as a new thread does (none of its reads mapped yet); one that turns mapped reads off (as a
     kernel without MADV_POPULATE_READ does) turns them off for itself."""
     monkeypatch.setattr(local, "_can_map", local._can_map)
-    monkeypatch.setattr(local._buffers, "mapped_reads", 0, raising=False)
+    monkeypatch.setattr(local._buffers, "large_reads", 0, raising=False)
 
 
 def test_a_large_object_is_read_through_a_read_only_mapping_and_a_small_one_into_the_buffer(tmp_path: Path) -> None:
@@ -132,7 +132,7 @@ def test_restores_read_the_same_bytes_and_find_the_same_damage_either_way(tmp_pa
     damaged[len(damaged) // 2] ^= 0x40
     path.write_bytes(bytes(damaged))
     cache_all(tmp_path / "v")
-    monkeypatch.setattr(local._buffers, "mapped_reads", 0)
+    monkeypatch.setattr(local._buffers, "large_reads", 0)
     with ckptvault.CheckpointManager(tmp_path / "v", async_save=False) as mgr:
         with pytest.raises(CorruptChunkError, match=big["id"]):
             mgr.restore(1)

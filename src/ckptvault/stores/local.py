@@ -31,16 +31,16 @@ writer waits for the device ("auto": on ext4 and XFS; True: wherever the file
 system accepts it). Reads stay buffered.
 
 A thread's first few reads of chunk objects (:meth:`LocalStore.get_transient`)
-of :data:`MAP_FROM` bytes or more that the page cache holds whole
-(``mincore``) map the file read-only and fault it in with one
+of :data:`MAP_FROM` bytes or more map the file read-only where the page cache
+holds it whole (``mincore``), and fault it in with one
 ``madvise(MADV_POPULATE_READ)`` (Linux 5.14+), which reports an I/O error as an
 error: no copy out of the page cache and no fresh memory to fault in, which is
 most of a small restore's cost in a new process. Later reads go into the
 thread's buffer, faulted in by then, which a copy fills faster than a mapping
 is set up and torn down; a file the disk must supply is always read with
-``read``, whose large requests a mapping's faults do not match. A file truncated from outside while
-it is mapped ends the process with SIGBUS (ckptvault never rewrites an object;
-a delete leaves the mapping whole).
+``read``, whose large requests a mapping's faults do not match. A file
+truncated from outside while it is mapped ends the process with SIGBUS
+(ckptvault never rewrites an object; a delete leaves the mapping whole).
 
 With ``drop_behind`` (on by default where ``posix_fadvise`` exists) what the
 store writes leaves the page cache once it is durable or written back. A
@@ -463,19 +463,19 @@ class LocalStore(Store):
 
     def get_transient(self, key: str, max_size: int | None = None) -> memoryview:
         """The object's bytes, for a reader that is done with them (and with views of them) before this thread's
-        next call. A thread's first :data:`MAPPED_READS` objects of :data:`MAP_FROM` bytes or more that the page
-        cache holds whole are mapped read-only, their pages faulted in with one call (:func:`_map_populated`):
-        no copy, and no fresh memory to fault in, which a new buffer would need (slow, above all in a new
-        process). Every other object is read into this thread's reusable read buffer, which, once faulted in,
-        a copy fills faster than a mapping is set up and torn down."""
+        next call. Of a thread's first :data:`MAPPED_READS` reads of :data:`MAP_FROM` bytes or more, those of
+        objects the page cache holds whole are mapped read-only, their pages faulted in with one call
+        (:func:`_map_populated`): no copy, and no fresh memory to fault in, which a new buffer would need (slow,
+        above all in a new process). Every other object is read into this thread's reusable read buffer, which,
+        once faulted in, a copy fills faster than a mapping is set up and torn down."""
         with _classified(key), open(self._open_object(key), "rb", buffering=0) as f:
             size = os.fstat(f.fileno()).st_size
             check_size(self, key, size, max_size)
-            mapped_so_far = getattr(_buffers, "mapped_reads", 0)
-            if size >= MAP_FROM and mapped_so_far < MAPPED_READS:
+            large_reads = getattr(_buffers, "large_reads", 0)
+            if size >= MAP_FROM and large_reads < MAPPED_READS:
+                _buffers.large_reads = large_reads + 1
                 mapped = _map_populated(f.fileno(), size, key)
                 if mapped is not None:
-                    _buffers.mapped_reads = mapped_so_far + 1
                     return mapped
             buffer = _thread_buffer("read", size)
             got = 0
@@ -819,13 +819,13 @@ _statfs = _linux_call("statfs", [ctypes.c_char_p, ctypes.c_char_p], (2, 6))
 #: objects of this size or more are read by mapping them where the page cache holds all of them
 #: (:meth:`LocalStore.get_transient`); below it a read into a reused buffer costs less than setting up a mapping
 MAP_FROM = 256 << 10
-#: large reads a thread maps before it reads into its buffer: enough for a small state's few chunks, while a large
-#: restore's many reads go through buffers that are faulted in by then
+#: large reads a thread may map before it reads into its buffer: enough for a small state's few chunks, while a
+#: large restore's many reads go through buffers that are faulted in by then
 MAPPED_READS = 4
 #: madvise(MADV_POPULATE_READ) (Linux 5.14+): faults a file mapping's pages in, reporting an I/O error as an
 #: error instead of a SIGBUS at the first touch; it is what makes mapped reads safe, so without it there are none
 _MADV_POPULATE_READ = 22
-#: mincore(addr, length, vec): which pages of a mapping the page cache holds
+#: mincore(addr, length, vec): which pages of a mapping the page cache holds (wanted only with the advice above)
 _mincore = _linux_call("mincore", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p], (5, 14))
 _can_map = _mincore is not None and hasattr(mmap, "MAP_SHARED")
 
