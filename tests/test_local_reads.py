@@ -5,7 +5,6 @@ reading thread's reused buffer; the bytes are the same either way, and so is eve
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
 import pytest
@@ -24,7 +23,7 @@ def cache_all(root: Path) -> None:
             path.read_bytes()
 
 
-pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mapped reads are Linux-only")
+pytestmark = pytest.mark.skipif(not local._can_map, reason="mapped reads need Linux 5.14 or later")
 
 
 @pytest.fixture(autouse=True)
