@@ -12,6 +12,9 @@ and the final ``}``. Body fields are documented in docs/DESIGN.md.
 from __future__ import annotations
 
 import json
+import threading
+from collections import OrderedDict
+from dataclasses import replace
 from typing import Any
 
 import blake3
@@ -68,7 +71,42 @@ def decode_manifest(data: bytes, where: str, step: int | None = None,
     if blake3.blake3(body).hexdigest() != expected:
         raise CorruptManifestError(f"manifest {where} fails its BLAKE3 checksum: it was damaged after writing")
     parsed = parse_json(body, f"manifest {where}", CorruptManifestError)
-    return check_manifest(parsed, f"manifest {where}", step, chunk_size)
+    key = (bytes(data), step, chunk_size) if len(data) <= CHECKED_MAX_BYTES else None
+    checked = _checked.get(key) if key is not None else None
+    if checked is not None:  # the tree, metrics and metadata from this parse: no caller shares a mutable part
+        return replace(checked, tree=parsed["tree"], metrics=parsed["metrics"], metadata=parsed["metadata"])
+    manifest = check_manifest(parsed, f"manifest {where}", step, chunk_size)
+    if key is not None:
+        _checked.put(key, manifest)
+    return manifest
+
+
+class _Checked:
+    """The last :data:`CHECKED_KEPT` manifests this process checked, by their exact bytes, step and chunk size: the
+    schema check is a function of those alone, so the same bytes read again (a repeated restore, a manager
+    reading its own manifests) skip it and are only parsed. Thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._found: OrderedDict[tuple[bytes, int | None, int], Manifest] = OrderedDict()
+
+    def get(self, key: tuple[bytes, int | None, int]) -> Manifest | None:
+        with self._lock:
+            manifest = self._found.get(key)
+            if manifest is not None:
+                self._found.move_to_end(key)
+            return manifest
+
+    def put(self, key: tuple[bytes, int | None, int], manifest: Manifest) -> None:
+        with self._lock:
+            self._found[key] = manifest
+            while len(self._found) > CHECKED_KEPT:
+                self._found.popitem(last=False)
+
+
+#: manifests whose check is remembered, and the largest remembered (larger ones are checked every time)
+CHECKED_KEPT, CHECKED_MAX_BYTES = 8, 1 << 20
+_checked = _Checked()
 
 
 def parse_json(data: bytes, what: str, error: type[Exception]) -> Any:

@@ -7,6 +7,7 @@ parsed manifest reproduces its bytes. Code above ``_format/`` reads manifests on
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 import math
@@ -78,7 +79,8 @@ class LossyInfo:
         if self.block is not None:
             out["block"] = self.block
         out.update({"stored_dtype": self.stored_dtype, "stored_shape": list(self.stored_shape or ()),
-                    "original_nbytes": self.original_nbytes, "error": self.error, "parts": dict(self.parts)})
+                    "original_nbytes": self.original_nbytes,
+                    "error": dict(self.error) if self.error is not None else None, "parts": dict(self.parts)})
         if self.notes:
             out["notes"] = list(self.notes)
         if self.base_pieces is not None:
@@ -253,7 +255,9 @@ class Manifest:
         return {c.id: c.base for c in self.chunks}
 
     def to_json(self, chain: bool = True) -> dict[str, Any]:
-        """The manifest body, keys in the order the format writes them (without ``"chain"`` when not ``chain``)."""
+        """The manifest body, keys in the order the format writes them (without ``"chain"`` when not ``chain``).
+        Apart from ``tree``, ``metrics`` and ``metadata`` (this manifest's own), nothing in it is shared with the
+        records, which decoding the same manifest bytes again may return (``manifest.decode_manifest``)."""
         from .schema import MANIFEST_FORMAT  # the schema imports this module
 
         out: dict[str, Any] = {"format": MANIFEST_FORMAT, "version": self.version, "step": self.step, "time": self.time}
@@ -266,8 +270,8 @@ class Manifest:
                     "chunks": [c.to_json() for c in self.chunks]})
         if self.requires:
             out["requires"] = list(self.requires)
-        if self.chain and chain:
-            out["chain"] = [level.to_json() for level in self.chain]
+        if self.chain and chain:  # copies: a level's JSON is made once and shared with every later manifest
+            out["chain"] = [copy.deepcopy(level.to_json()) for level in self.chain]
         return out
 
 
