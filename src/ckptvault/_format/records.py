@@ -197,9 +197,9 @@ class ChainLevel:
         return self.tensors
 
     def to_json(self) -> dict[str, Any]:
-        """The level as the manifest holds it, made once: a level passes unchanged into every later manifest of its
-        chain (do not modify the result)."""
-        return self._json
+        """The level as the manifest holds it, a copy for the caller: the level's own JSON is made once and passes
+        unchanged into every later manifest of its chain (the writer splices in :attr:`json_text`)."""
+        return copy.deepcopy(self._json)
 
     @functools.cached_property
     def _json(self) -> dict[str, Any]:
@@ -270,8 +270,8 @@ class Manifest:
                     "chunks": [c.to_json() for c in self.chunks]})
         if self.requires:
             out["requires"] = list(self.requires)
-        if self.chain and chain:  # copies: a level's JSON is made once and shared with every later manifest
-            out["chain"] = [copy.deepcopy(level.to_json()) for level in self.chain]
+        if self.chain and chain:
+            out["chain"] = [level.to_json() for level in self.chain]
         return out
 
 
