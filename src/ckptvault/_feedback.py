@@ -62,11 +62,22 @@ def warn_at_caller(message: str, category: type[Warning] = UserWarning) -> None:
 def reissue_deferred() -> None:
     """Issue the warnings background threads deferred, attributed to the current caller (call it from user-facing
     methods only: on a thread without user code they are deferred again)."""
+    for message, category in take_deferred():
+        warn_at_caller(message, category)
+
+
+def take_deferred() -> list[tuple[str, type[Warning]]]:
+    """Remove and return the deferred warnings (a saver process sends them to the training process this way)."""
     with _lock:
         pending = _deferred[:]
         _deferred.clear()
-    for message, category in pending:
-        warn_at_caller(message, category)
+    return pending
+
+
+def defer(pending: list[tuple[str, type[Warning]]]) -> None:
+    """Queue ``pending`` (message, category) warnings for the next :func:`reissue_deferred`."""
+    with _lock:
+        _deferred.extend(pending)
 
 
 #: what the pipelines call: the increment only (a metered callback adds the total)

@@ -14,7 +14,7 @@ from ._codecs import DEFAULT_CODEC
 from ._codecs.planes import load_if_worth_it, wait_for_kernel_loading
 from ._delta.kernels import wait_for_fused_loading
 from ._delta.policy import DeltaPolicy
-from ._delta.predict import Predictor
+from ._delta.predict import predictor_for
 from ._feedback import reissue_deferred
 from ._format.manifest import manifest_key
 from ._format.schema import MAX_STEP
@@ -27,6 +27,8 @@ from ._restore.tensors import restore_into, restore_tree
 from ._save.commit import check_step, json_fields
 from ._save.pipeline import Saver, SaveRequest
 from ._save.preemption import Preempted, PreemptionHandler, critical, signal_numbers
+from ._save.process_child import ChildConfig
+from ._save.process_saver import ProcessSaver
 from ._vault import Vault
 from .errors import InvalidArgumentError, ManagerClosedError, StepExistsError, VaultNotFoundError
 from .handle import SaveHandle
@@ -114,10 +116,8 @@ class CheckpointManager(MaintenanceMixin):
         check_kind("exclusive", exclusive, bool)
         self.exclusive = exclusive
         self._preemption: PreemptionHandler | None = None
-        self._saver = Saver(self.vault, self.delta_policy, async_save=async_save, async_options=async_options,
-                            after_commit=self._after_commit, safety=lossy_safety, cache_keyframe=delta.cache_keyframe,
-                            predictor=_predictor(delta))
         self._collective = self._join_job(distributed, async_save, incremental, delta, async_options, lossy_safety)
+        self._saver = self._make_saver(url, storage_options, async_save, delta, async_options, lossy_safety)
         self._closed = False
         self._rules_checked = False  # the first save warns about codec_rules patterns that match no tensor
 
@@ -132,6 +132,11 @@ class CheckpointManager(MaintenanceMixin):
 
         if not wanted(options):
             return None
+        if async_options.saver != "thread":
+            raise InvalidArgumentError(f"AsyncOptions(saver={async_options.saver!r}) is for single-process saves; in "
+                                       "a torch.distributed job each rank saves on its own threads (saver='thread'), "
+                                       "or pass distributed=DistributedOptions(enabled=False) to save each process "
+                                       "alone")
         if delta.predict is not False:
             raise InvalidArgumentError("DeltaOptions(predict=...) is for single-process saves; in a torch.distributed "
                                        "job pass distributed=DistributedOptions(enabled=False) to save each process "
@@ -139,6 +144,26 @@ class CheckpointManager(MaintenanceMixin):
         settings = SaveSettings(self._codec, self._codec_rules, self._chunk_size, incremental, delta, async_save,
                                 async_options.on_busy, lossy_safety)
         return Collective(self.vault, options, settings, self._after_commit)
+
+    def _make_saver(self, url: str | os.PathLike[str] | Store, storage_options: StorageOptions | None,
+                    async_save: bool, delta: DeltaOptions, async_options: AsyncOptions,
+                    lossy_safety: LossySafety) -> Saver | ProcessSaver:
+        """The thread saver, or for ``AsyncOptions(saver="process" | "idle-process")`` the saver process."""
+        if async_options.saver == "thread":
+            return Saver(self.vault, self.delta_policy, async_save=async_save, async_options=async_options,
+                         after_commit=self._after_commit, safety=lossy_safety, cache_keyframe=delta.cache_keyframe,
+                         predictor=predictor_for(delta.predict))
+        saver = async_options.saver
+        if not async_save:
+            raise InvalidArgumentError(f"AsyncOptions(saver={saver!r}) runs asynchronous saves; it needs "
+                                       "async_save=True")
+        if isinstance(url, Store):
+            raise InvalidArgumentError(f"AsyncOptions(saver={saver!r}) needs the vault's URL, which the saver process "
+                                       f"opens itself, not a Store object: pass {self.url!r}")
+        config = ChildConfig(self.url, storage_options, self.vault.workers, self.delta_policy, delta.predict,
+                             lossy_safety or LossySafety(), True if delta.cache_keyframe is None else delta.cache_keyframe,
+                             logging.getLogger("ckptvault").getEffectiveLevel())
+        return ProcessSaver(config, async_options, after_commit=self._after_commit)
 
     @property
     def distributed(self) -> bool:
@@ -435,9 +460,3 @@ class CheckpointManager(MaintenanceMixin):
     def __repr__(self) -> str:
         return f"CheckpointManager({self.url!r})"
 
-
-def _predictor(delta: DeltaOptions) -> Predictor | None:
-    """The saver's predictor when ``delta.predict`` asks for predicted deltas."""
-    if delta.predict is False:
-        return None
-    return Predictor(None if delta.predict is True else dict(delta.predict))  # the chain cap: delta_policy

@@ -23,6 +23,8 @@ __all__ = ["AsyncOptions", "DeltaOptions", "DistributedOptions", "LocalOptions",
 
 #: what a save does while another is still in flight
 ON_BUSY = ("wait", "skip")
+#: where an asynchronous save's work runs after the snapshot
+SAVERS = ("thread", "process", "idle-process")
 
 
 @dataclass(frozen=True)
@@ -77,13 +79,30 @@ class AsyncOptions:
     """Asynchronous saves (``async_save=True``, the default): the state is staged into a reusable host buffer
     and written in the background.
 
-    ``max_staging_bytes`` caps that buffer (a larger state is saved synchronously; None: no cap). ``on_busy``
-    says what a save does while another is in flight: ``"wait"`` for it, or ``"skip"`` this one (it returns a
-    skipped handle and warns). Figures: docs/benchmarks/async.md.
+    ``max_staging_bytes`` caps that buffer (None: no cap): with the thread saver a larger state is saved
+    synchronously; a saver process cannot read the live state, so there such a save raises InvalidArgumentError.
+    ``on_busy`` says what a save does while another is in flight: ``"wait"`` for it, or ``"skip"`` this one (it
+    returns a skipped handle and warns).
+
+    ``saver`` says where the work after the snapshot runs:
+
+    * ``"thread"`` (the default): a background thread of the training process.
+    * ``"process"``: a saver process of its own, started with the manager. The state is staged into shared memory
+      and the process chunks, encodes, writes and commits it; training shares no interpreter lock with it.
+    * ``"idle-process"``: the same process in Linux's idle scheduling class (``SCHED_IDLE``), so that it runs only
+      on CPU time the training leaves unused. For jobs whose own threads do not keep every core busy; where they
+      spin (OpenMP's default wait policy) an idle saver may get no time and ``save()`` waits for it.
+
+    A saver process needs a vault URL it can open itself (a local path, ``file://``, ``s3://`` or another fsspec
+    URL; not ``memory://`` or a Store object) and a POSIX system (``"idle-process"``: Linux). Retention and
+    ``progress=`` callbacks run in the training process; the saver's log records arrive in its ``ckptvault`` loggers.
+    If the saver process dies, its save in flight fails with :class:`~ckptvault.errors.SaveError` and the next save
+    starts a new one. Figures: docs/benchmarks/async.md, docs/benchmarks/predicted.md.
     """
 
     on_busy: str = "wait"
     max_staging_bytes: int | None = None
+    saver: str = "thread"
 
     def __post_init__(self) -> None:
         if self.on_busy not in ON_BUSY:
@@ -91,6 +110,8 @@ class AsyncOptions:
         check_kind("max_staging_bytes", self.max_staging_bytes, int, type(None))
         if self.max_staging_bytes is not None and self.max_staging_bytes < 0:
             raise InvalidArgumentError(f"max_staging_bytes must be at least 0 (None: no cap), got {self.max_staging_bytes}")
+        if self.saver not in SAVERS:
+            raise InvalidArgumentError(f"saver must be one of {SAVERS}, got {self.saver!r}")
 
 
 @dataclass(frozen=True)

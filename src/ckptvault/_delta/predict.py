@@ -293,3 +293,10 @@ def _restore_blocks(residual: np.ndarray, actual: np.ndarray, blocks: list[int],
     res_bytes, raw_bytes = residual.view(np.uint8), actual.view(np.uint8)
     for k in blocks:
         res_bytes[k * block:(k + 1) * block] = raw_bytes[k * block:(k + 1) * block]
+
+
+def predictor_for(predict: bool | Mapping[str, str]) -> Predictor | None:
+    """The saver's predictor for ``DeltaOptions.predict``: None for False, else one (with the pairing it names)."""
+    if predict is False:
+        return None
+    return Predictor(None if predict is True else dict(predict))  # the chain cap: the saver's DeltaPolicy

@@ -87,7 +87,7 @@ class Saver(InFlight):
         self._keyframe_cache = KeyframeCache() if wanted and deltas else None
         self._predictor = predictor if deltas else None
         self._manifests = ManifestCache() if deltas else None  # the next save's base manifests, without a re-read
-        _LIVE.add(self)
+        register_live(self)
 
     def submit(self, request: SaveRequest, state: Any, rules: CodecRules, allow_pickle: bool) -> SaveHandle:
         """Stage ``state`` and start (or, when synchronous, run) its save."""
@@ -158,7 +158,7 @@ class Saver(InFlight):
             if self._keyframe_cache is not None:
                 self._keyframe_cache.abort()
             what = f"the save of step {request.step} failed, nothing committed"
-            exc = _typed(caught, what)
+            exc = typed_error(caught, what)
             log.error("%s", exc if exc is not caught else f"{what}: {caught}")  # a wrapped one says it already
             self.keep_error(exc, handle)
             handle.committed.set_exception(exc)
@@ -171,7 +171,7 @@ class Saver(InFlight):
                 self.after_commit(request.step)
             except BaseException as exc:  # noqa: BLE001 - kept for the next save, wait or close
                 log.error("after-commit step (retention) of step %d failed: %s", request.step, exc)
-                self.keep_error(_typed(exc, f"step {request.step} was committed, but the retention that runs after it "
+                self.keep_error(typed_error(exc, f"step {request.step} was committed, but the retention that runs after it "
                                               "failed"), None)
 
     def _commit_keyframe_cache(self, step: int) -> None:
@@ -208,10 +208,10 @@ class Saver(InFlight):
             self.wait()
         finally:
             self.stop_thread()
-            _LIVE.discard(self)
+            forget_live(self)
 
 
-def _typed(exc: BaseException, what: str) -> BaseException:
+def typed_error(exc: BaseException, what: str) -> BaseException:
     """``exc`` if it is one of ckptvault's errors (or not an Exception: KeyboardInterrupt, SystemExit), else a
     :class:`SaveError` "``what``: Type: message" with ``exc`` as its cause: an unexpected failure (a store's own
     exception, a codec bug, MemoryError) still reaches the caller as a typed error."""
@@ -222,14 +222,24 @@ def _typed(exc: BaseException, what: str) -> BaseException:
     return wrapped
 
 
-_LIVE: weakref.WeakSet[Saver] = weakref.WeakSet()
+_LIVE: weakref.WeakSet[InFlight] = weakref.WeakSet()
+
+
+def register_live(saver: InFlight) -> None:
+    """Have ``saver.close()`` called at interpreter exit (unless closed before; never in a forked child)."""
+    _LIVE.add(saver)
+
+
+def forget_live(saver: InFlight) -> None:
+    """Undo :func:`register_live` (at ``close``)."""
+    _LIVE.discard(saver)
 
 
 def _flush_at_exit() -> None:
     """At interpreter exit, finish saves in flight; report failures in the log."""
     for saver in list(_LIVE):
         try:
-            saver.close()
+            saver.close()  # type: ignore[attr-defined]
         except BaseException as exc:  # noqa: BLE001 - nobody is left to raise to
             log.error("a checkpoint save failed before exit: %s", exc)
 

@@ -8,11 +8,17 @@ memory it does not need. The buffer is reused from save to save and grows only
 when a state needs more room (or a pinned one when pinning is first needed), so
 steady-state saves allocate nothing. Only one save uses the buffer at a time
 (the saver guarantees it).
+
+A :class:`SharedStaging` buffer lives in an anonymous shared-memory file instead, which a saver process maps through
+the file descriptor it is sent (``_save/process.py``).
 """
 
 from __future__ import annotations
 
 import logging
+import mmap
+import os
+import tempfile
 from typing import Any
 
 import numpy as np
@@ -99,3 +105,50 @@ class StagingBuffer:
         for gpu in gpus:
             torch.cuda.synchronize(gpu)
         return views
+
+
+class SharedStaging(StagingBuffer):
+    """A staging buffer in shared memory: an anonymous memory file (``memfd``; elsewhere an unlinked temporary
+    file) mapped here, whose descriptor :attr:`fd` another process maps to read the staged bytes.
+
+    It is never page-locked (``pinned`` stays False): CUDA tensors are copied into it with blocking copies.
+    :attr:`generation` changes whenever the buffer is replaced by a larger one, so a reader knows to map the new one.
+    Nothing is left behind in any file system, whichever process exits first.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fd: int | None = None
+        self.generation = 0
+
+    def acquire(self, nbytes: int, pinned: bool = False) -> torch.Tensor:
+        if self._buffer is None or self._buffer.numel() < nbytes:
+            size = max(nbytes, self.capacity, 1)
+            self._buffer = None  # unmapped once the last view of it is gone
+            self.close()
+            log.debug("allocating %d bytes of shared staging memory", size)
+            self.fd = _memory_file(size)
+            self._buffer = torch.frombuffer(mmap.mmap(self.fd, size), dtype=torch.uint8)
+            self.generation += 1
+        return self._buffer
+
+    def close(self) -> None:
+        """Close the descriptor (the mapping stays valid here and in every process that mapped it)."""
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+def _memory_file(size: int) -> int:
+    """The descriptor of a new ``size``-byte file that lives only in memory and has no name anyone can open."""
+    if hasattr(os, "memfd_create"):
+        fd = os.memfd_create("ckptvault-staging", os.MFD_CLOEXEC)
+    else:  # not Linux: a temporary file, unlinked at once
+        fd, path = tempfile.mkstemp(prefix="ckptvault-staging-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+        os.unlink(path)
+    try:
+        os.ftruncate(fd, size)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd

@@ -1,0 +1,199 @@
+"""The saver process's side of ``AsyncOptions(saver="process")``: it runs the saves the training process stages.
+
+The training process starts it (``_save/process_saver.py``) as ``python -c`` calling :func:`main` with one end of a
+socket pair. Messages, each a pickled tuple (both ends are this package; nothing read from storage is unpickled):
+
+* training -> saver: ``("open", ChildConfig)`` first; ``("staging", nbytes)`` followed by the shared staging
+  buffer's descriptor (``multiprocessing.reduction.send_handle``) whenever that buffer is new;
+  ``("save", SaveRequest, wants_progress, tree, records, allow_pickle, log_level)`` once the state is staged; ``("stop",)``.
+* saver -> training: ``("ready",)`` or ``("broken", error)`` once after ``open``; per save ``("progress", n,
+  total)`` and ``("log", record)`` any number of times, then ``("committed", CheckpointInfo)`` or ``("failed",
+  error)`` preceded by ``("warnings", warnings)``, then ``("finished", error_after_commit, warnings)``.
+
+The saver runs one save at a time, in its main thread, with the pipeline of a synchronous :class:`Saver` (its
+delta bases, predictions and keyframe cache live here). It ignores SIGINT and SIGTERM: the training process decides
+when it stops, and when that process is gone (end of file on the socket) it finishes the save it holds and exits.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import pickle
+import signal
+import threading
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from multiprocessing.reduction import recv_handle
+from typing import Any
+
+import numpy as np
+
+from .._codecs.lossy import LossySafety
+from .._codecs.planes import load_if_worth_it
+from .._delta.policy import DeltaPolicy
+from .._delta.predict import predictor_for
+from .._feedback import take_deferred
+from .._parallel import pause_collector, resume_collector
+from .._vault import Vault
+from ..errors import SaveError
+from ..handle import SaveHandle
+from .pipeline import Saver, SaveRequest
+from .snapshot import ArrayRecord, Snapshot
+from .staging import aligned_offsets
+
+
+@dataclass(frozen=True)
+class ChildConfig:
+    """What the saver process needs to open the vault and save as the training process's manager would."""
+
+    url: str
+    storage_options: Any
+    workers: int | None
+    delta_policy: DeltaPolicy
+    predict: bool | Mapping[str, str]
+    safety: LossySafety
+    cache_keyframe: bool
+    log_level: int  # the training process's level for the ``ckptvault`` loggers (each save sends it again)
+
+
+class _Channel:
+    """The socket to the training process; sends from any thread (progress and log records come from workers)."""
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+        self._lock = threading.Lock()
+
+    def send(self, message: tuple[Any, ...]) -> None:
+        with self._lock:
+            self.conn.send(message)
+
+
+class _Forward(logging.Handler):
+    """Sends the ``ckptvault`` loggers' records to the training process, formatted (their arguments need not
+    pickle)."""
+
+    def __init__(self, channel: _Channel) -> None:
+        super().__init__()
+        self.channel = channel
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            fields = dict(record.__dict__, msg=record.getMessage(), args=None, exc_info=None,
+                          exc_text=self.formatter.formatException(record.exc_info) if record.exc_info else None)
+            fields["processName"] = f"ckptvault-saver-{os.getpid()}"
+            self.channel.send(("log", fields))
+        except Exception:  # noqa: BLE001 - logging must never break a save
+            self.handleError(record)
+
+    formatter = logging.Formatter()
+
+
+def portable(exc: BaseException) -> BaseException:
+    """``exc`` if it pickles as itself (ckptvault's errors do), else a :class:`SaveError` naming it."""
+    try:
+        copy = pickle.loads(pickle.dumps(exc))
+    except Exception:  # noqa: BLE001 - any failure to pickle means: send a description instead
+        copy = None
+    if type(copy) is type(exc):
+        return exc
+    return SaveError(f"{type(exc).__name__}: {exc}")
+
+
+def main(fd: int) -> None:
+    """The saver process: serve the training process on socket ``fd`` until it stops us or is gone."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    conn = Connection(fd)
+    channel = _Channel(conn)
+    kind, config = conn.recv()
+    assert kind == "open", kind
+    logger = logging.getLogger("ckptvault")
+    logger.addHandler(_Forward(channel))
+    logger.setLevel(config.log_level)
+    logger.propagate = False
+    try:
+        vault = Vault(config.url, config.storage_options, config.workers)
+        saver = Saver(vault, config.delta_policy, async_save=False, safety=config.safety,
+                      cache_keyframe=config.cache_keyframe, predictor=predictor_for(config.predict),
+                      after_commit=_after_commit)
+    except BaseException as exc:  # noqa: BLE001 - reported to the training process, which raises it
+        channel.send(("broken", portable(exc)))
+        return
+    channel.send(("ready",))
+    try:
+        _serve(conn, channel, saver)
+    finally:
+        saver.close()
+        vault.close()
+
+
+def _after_commit(step: int) -> None:
+    load_if_worth_it()  # numba's byte-plane kernels, once this process has split enough bytes (planes.LOAD_AFTER)
+
+
+def _serve(conn: Connection, channel: _Channel, saver: Saver) -> None:
+    staging: np.ndarray | None = None
+    while True:
+        try:
+            message = conn.recv()
+        except EOFError:  # the training process is gone
+            return
+        if message[0] == "stop":
+            return
+        if message[0] == "staging":
+            staging = _map(recv_handle(conn), message[1])
+        elif message[0] == "save":
+            assert staging is not None, "a save before its staging buffer"
+            _save(channel, saver, staging, *message[1:])
+
+
+def _map(fd: int, nbytes: int) -> np.ndarray:
+    try:
+        return np.frombuffer(mmap.mmap(fd, nbytes), dtype=np.uint8)
+    finally:
+        os.close(fd)  # the mapping keeps the memory
+
+
+def _save(channel: _Channel, saver: Saver, staging: np.ndarray, request: SaveRequest, wants_progress: bool,
+          tree: Any, records: list[ArrayRecord], allow_pickle: bool, log_level: int) -> None:
+    """Run one staged save; report its commit or failure, then what came after it."""
+    logging.getLogger("ckptvault").setLevel(log_level)  # records below the training process's level are not sent
+    offsets = aligned_offsets([r.nbytes for r in records])[0]
+    views = [staging[o : o + r.nbytes].data if r.nbytes else memoryview(b"") for o, r in zip(offsets, records, strict=True)]
+    snapshot = Snapshot(tree, records, views, allow_pickle, staged=True)
+    if wants_progress:
+        request.progress = lambda n, total=None: channel.send(("progress", n, total))
+    handle = SaveHandle(request.step)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        handle.committed.add_done_callback(lambda done: _report(channel, done, caught))
+        pause_collector()
+        try:
+            saver._run(handle, request, snapshot)
+        finally:
+            resume_collector(run_due=True)
+    handle.reported = True  # its failure went out with "failed": only an error after the commit is left
+    try:
+        saver.raise_pending()
+        after: BaseException | None = None
+    except BaseException as exc:  # noqa: BLE001 - sent to the training process
+        after = portable(exc)
+    channel.send(("finished", after, _warnings(caught)))
+
+
+def _report(channel: _Channel, done: Any, caught: list[warnings.WarningMessage]) -> None:
+    """Send the warnings so far, then the save's outcome: a caller that waits for the commit sees both."""
+    channel.send(("warnings", _warnings(caught)))
+    error = done.exception()
+    channel.send(("committed", done.result()) if error is None else ("failed", portable(error)))
+
+
+def _warnings(caught: list[warnings.WarningMessage]) -> list[tuple[str, type[Warning]]]:
+    """Remove and return the warnings issued so far, the recorded and the deferred ones (``_feedback.py``)."""
+    found = [(str(w.message), w.category) for w in caught]
+    del caught[:]
+    return found + take_deferred()

@@ -1,0 +1,245 @@
+"""Asynchronous saves run by a saver process of their own (``AsyncOptions(saver="process" | "idle-process")``).
+
+Training shares one interpreter lock with a background thread, so a save's Python work slows every step however
+low its priority; a separate process shares nothing but memory bandwidth, and in Linux's idle class it runs only
+on CPU time training leaves unused.
+
+Order of calls for one save, as for the thread :class:`~ckptvault._save.pipeline.Saver`: ``submit`` (caller's
+thread: raise an unreported error, wait for or skip the save in flight, copy the state into the shared staging
+buffer) -> the background thread sends the save to the saver process (``_save/process_child.py``), reports its
+commit on the handle, runs the after-commit hook (retention) here, and ends when the saver process has finished.
+At most one save is in flight, so one staging buffer serves every save.
+
+Failure: a save that fails in the saver process fails its handle with the same typed error; if the saver process
+dies, its save in flight fails with :class:`SaveError` and the next save starts a new saver process. Either way
+nothing of a failed save is committed by the training process, and every earlier commit stays.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import subprocess
+import sys
+import warnings
+from collections.abc import Callable
+from dataclasses import replace
+from multiprocessing.connection import Connection
+from multiprocessing.reduction import send_handle
+from typing import Any
+
+from .._feedback import defer, takes_total
+from .._parallel import pause_collector, resume_collector
+from ..errors import InvalidArgumentError, SaveError
+from ..handle import SaveHandle
+from ..options import AsyncOptions
+from ..rules import CodecRules
+from .inflight import InFlight
+from .pipeline import SaveRequest, forget_live, register_live, typed_error
+from .process_child import ChildConfig
+from .snapshot import Snapshot, take_snapshot
+from .staging import SharedStaging
+
+log = logging.getLogger(__name__)
+
+#: the package's parent folder: the saver process imports this very copy of ckptvault
+_PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+#: how long close() waits for a stopped saver process before it kills it
+STOP_TIMEOUT = 60.0
+
+
+class _Child:
+    """One saver process and the socket to it."""
+
+    def __init__(self, config: ChildConfig, idle: bool) -> None:
+        ours, theirs = socket.socketpair()
+        prelude = "import os; os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0)); " if idle else ""
+        code = (f"{prelude}import sys; sys.path.insert(0, {_PACKAGE_ROOT!r}); "
+                f"from ckptvault._save.process_child import main; main({theirs.fileno()})")
+        with ours, theirs:
+            self.process = subprocess.Popen([sys.executable, "-c", code], pass_fds=[theirs.fileno()],
+                                            stdin=subprocess.DEVNULL)
+            self.conn = Connection(ours.detach())
+        self.conn.send(("open", config))
+        self.ready = False
+        self.staging_generation = 0  # of the staging buffer this process has mapped (0: none)
+        log.debug("started saver process %d", self.process.pid)
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def gone(self, step: int) -> SaveError:
+        """The error of a save in flight when this process died."""
+        status = self.process.wait()
+        return SaveError(f"the saver process (pid {self.process.pid}) exited with status {status} while saving step "
+                         f"{step}; that step was not reported committed, and every checkpoint committed before it is "
+                         "kept. The next save starts a new saver process")
+
+    def stop(self) -> None:
+        """Ask the process to exit once its save is done, and wait for it (kill it after STOP_TIMEOUT)."""
+        try:
+            self.conn.send(("stop",))
+        except OSError:
+            pass  # already gone
+        try:
+            self.process.wait(STOP_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            log.warning("saver process %d did not stop within %.0f s; killing it", self.process.pid, STOP_TIMEOUT)
+            self.process.kill()
+            self.process.wait()
+        self.conn.close()
+
+
+class ProcessSaver(InFlight):
+    """Runs asynchronous saves into one vault in a saver process (module docstring)."""
+
+    def __init__(self, config: ChildConfig, async_options: AsyncOptions,
+                 after_commit: Callable[[int], None] | None = None) -> None:
+        super().__init__("ckptvault-save")
+        check_process_saver(async_options.saver, config.url)
+        self.config, self.idle = config, async_options.saver == "idle-process"
+        self.on_busy, self.max_staging_bytes = async_options.on_busy, async_options.max_staging_bytes
+        self.after_commit = after_commit
+        self._staging = SharedStaging()
+        self._child: _Child | None = _Child(config, self.idle)  # starts now: its imports overlap the caller's set-up
+        register_live(self)
+
+    @property
+    def pid(self) -> int | None:
+        """The saver process's pid (None before a restart has started the next one)."""
+        return self._child.process.pid if self._child is not None else None
+
+    def submit(self, request: SaveRequest, state: Any, rules: CodecRules, allow_pickle: bool) -> SaveHandle:
+        """Stage ``state`` into shared memory and hand its save to the saver process."""
+        self.raise_pending()
+        if self.inflight_step is not None and self.on_busy == "skip":
+            warnings.warn(f"skipping the save of step {request.step}: step {self.inflight_step} is still being saved",
+                          RuntimeWarning, stacklevel=3)
+            return SaveHandle.skipped_save(request.step)
+        self.wait_inflight()
+        self.raise_pending()
+        pause_collector()
+        try:
+            snapshot = take_snapshot(state, rules, allow_pickle, self._staging, self.max_staging_bytes)
+            if not snapshot.staged:
+                raise InvalidArgumentError(
+                    f"step {request.step} needs more staging memory than max_staging_bytes={self.max_staging_bytes}, "
+                    "and a saver process can only save a staged state: raise max_staging_bytes, or use "
+                    "AsyncOptions(saver='thread'), which saves such a state synchronously")
+            handle = SaveHandle(request.step)
+            handle.staged.set_result(None)
+            self.start(handle, self._complete, handle, request, snapshot)
+        finally:
+            resume_collector()
+        return handle
+
+    def _complete(self, handle: SaveHandle, request: SaveRequest, snapshot: Snapshot) -> None:
+        """The background thread's part of one save (never raises: the outcome goes to the handle)."""
+        child = None
+        try:
+            child = self._ready_child()
+            self._send(child, request, snapshot)
+            del snapshot  # the saver process reads the staged bytes; nothing here needs the records any more
+            self._follow(child, handle, request)
+        except BaseException as caught:  # noqa: BLE001 - handed to the caller, not swallowed
+            if isinstance(caught, (EOFError, OSError)) and child is not None:
+                caught = child.gone(request.step)
+                self._child = None
+            exc = typed_error(caught, f"the save of step {request.step} failed, nothing committed")
+            log.error("%s", exc)
+            if not handle.done():
+                self.keep_error(exc, handle)
+                handle.committed.set_exception(exc)
+            else:
+                self.keep_error(exc, None)
+
+    def _ready_child(self) -> _Child:
+        """The saver process, started anew if it died, once it has opened the vault."""
+        if self._child is None or not self._child.alive():
+            if self._child is not None:
+                log.warning("saver process %d exited (status %s); starting a new one", self._child.process.pid,
+                            self._child.process.returncode)
+            self._child = _Child(self.config, self.idle)
+        child = self._child
+        if not child.ready:
+            answer = child.conn.recv()
+            if answer[0] == "broken":
+                self._child = None
+                child.stop()
+                raise answer[1]
+            child.ready = True
+        return child
+
+    def _send(self, child: _Child, request: SaveRequest, snapshot: Snapshot) -> None:
+        if child.staging_generation != self._staging.generation:
+            child.conn.send(("staging", self._staging.capacity))
+            assert self._staging.fd is not None  # the snapshot just filled the buffer
+            send_handle(child.conn, self._staging.fd, child.process.pid)
+            child.staging_generation = self._staging.generation
+        wants_progress = request.progress is not None
+        child.conn.send(("save", replace(request, progress=None), wants_progress, snapshot.tree, snapshot.records,
+                         snapshot.allow_pickle, logging.getLogger("ckptvault").getEffectiveLevel()))
+
+    def _follow(self, child: _Child, handle: SaveHandle, request: SaveRequest) -> None:
+        """Act on the saver process's messages about this save until it has finished."""
+        progress: Callable[..., None] | None = request.progress
+        with_total = progress is not None and takes_total(progress)
+        while True:
+            message = child.conn.recv()
+            kind = message[0]
+            if kind == "progress" and progress is not None:
+                progress(message[1], total=message[2]) if with_total else progress(message[1])
+            elif kind == "log":
+                record = logging.makeLogRecord(message[1])
+                logger = logging.getLogger(record.name)
+                if logger.isEnabledFor(record.levelno):
+                    logger.handle(record)
+            elif kind == "warnings":
+                defer(message[1])
+            elif kind == "committed":
+                handle.committed.set_result(message[1])
+                self._after_commit(request.step)
+            elif kind == "failed":
+                self.keep_error(message[1], handle)
+                handle.committed.set_exception(message[1])
+            elif kind == "finished":
+                if message[1] is not None:
+                    self.keep_error(message[1], None)
+                defer(message[2])
+                return
+
+    def _after_commit(self, step: int) -> None:
+        if self.after_commit is None:
+            return
+        try:
+            self.after_commit(step)
+        except BaseException as exc:  # noqa: BLE001 - kept for the next save, wait or close
+            log.error("after-commit step (retention) of step %d failed: %s", step, exc)
+            self.keep_error(typed_error(exc, f"step {step} was committed, but the retention that runs after it "
+                                             "failed"), None)
+
+    def close(self) -> None:
+        """Flush: wait for the save in flight, stop the saver process and the background thread, raise any
+        unreported error."""
+        try:
+            self.wait()
+        finally:
+            self.stop_thread()
+            forget_live(self)
+            if self._child is not None:
+                self._child.stop()
+                self._child = None
+            self._staging.close()
+
+
+def check_process_saver(saver: str, url: str) -> None:
+    """InvalidArgumentError where a saver process cannot run: no POSIX descriptor passing, no idle class, or a
+    vault it could not open as the same vault."""
+    if os.name != "posix":
+        raise InvalidArgumentError(f"AsyncOptions(saver={saver!r}) needs a POSIX system; use saver='thread'")
+    if saver == "idle-process" and not hasattr(os, "SCHED_IDLE"):
+        raise InvalidArgumentError("AsyncOptions(saver='idle-process') needs Linux's SCHED_IDLE; use saver='process'")
+    if url.startswith("memory://"):
+        raise InvalidArgumentError(f"AsyncOptions(saver={saver!r}) cannot save into {url}: a saver process would "
+                                   "open a memory store of its own; use a local path or an object-store URL")

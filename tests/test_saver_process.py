@@ -1,0 +1,278 @@
+"""Asynchronous saves run by a saver process (``AsyncOptions(saver="process" | "idle-process")``): real processes,
+a real model and optimizer, real signals."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from ckptvault import AsyncOptions, CheckpointManager, DeltaOptions, LossySafety, Retention
+from ckptvault.errors import InvalidArgumentError, LossyCodecError, SaveError
+from ckptvault.stores import open_store
+
+pytestmark = pytest.mark.skipif(os.name != "posix", reason="a saver process needs a POSIX system")
+
+PROCESS = AsyncOptions(saver="process")
+
+
+def _clone(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, dict):
+        return {k: _clone(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_clone(v) for v in value]
+    return value
+
+
+def _same(a: Any, b: Any) -> None:
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape
+        assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+    elif isinstance(a, dict):
+        assert list(a) == list(b)
+        for k in a:
+            _same(a[k], b[k])
+    elif isinstance(a, list):
+        assert len(a) == len(b)
+        for x, y in zip(a, b, strict=True):
+            _same(x, y)
+    else:
+        assert a == b
+
+
+class _Training:
+    """A real model and AdamW optimizer; ``step()`` trains one step and returns the live state."""
+
+    def __init__(self, width: int = 64) -> None:
+        torch.manual_seed(0)
+        self.model = torch.nn.Sequential(torch.nn.Linear(32, width), torch.nn.ReLU(), torch.nn.Linear(width, 4))
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-3, weight_decay=0.1)
+        self.steps = 0
+
+    def step(self) -> dict[str, Any]:
+        loss = self.model(torch.randn(16, 32)).pow(2).mean()
+        loss.backward()
+        self.opt.step()
+        self.opt.zero_grad()
+        self.steps += 1
+        return {"model": self.model.state_dict(), "optimizer": self.opt.state_dict(), "step": self.steps}
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as stat:  # a zombie is gone for our purposes
+        return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def test_predicted_saves_in_a_saver_process_restore_bit_exact_while_training_goes_on(tmp_path: Path) -> None:
+    training, saved = _Training(), {}
+    with CheckpointManager(tmp_path / "v", async_options=PROCESS, delta=DeltaOptions(predict=True, max_chain=3)) as mgr:
+        pid = mgr._saver.pid
+        assert pid is not None and pid != os.getpid() and _alive(pid)
+        for _ in range(7):
+            state = training.step()
+            handle = mgr.save(training.steps, state)
+            assert handle.staged.done()
+            saved[training.steps] = _clone(state)  # the live state moves on below while the save runs
+        handle.wait()
+        for step, state in saved.items():
+            _same(mgr.restore(step), state)
+        chains = {step: len(mgr.manifest(step).get("chain", [])) for step in saved}
+    assert chains == {1: 0, 2: 1, 3: 2, 4: 3, 5: 0, 6: 1, 7: 2}  # predicted in the saver process, capped at 3
+    assert not _alive(pid)
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="Linux's idle scheduling class")
+@pytest.mark.parametrize(("saver", "policy"), [("process", "SCHED_OTHER"), ("idle-process", "SCHED_IDLE")])
+def test_an_idle_saver_process_runs_in_the_idle_class(tmp_path: Path, saver: str, policy: str) -> None:
+    with CheckpointManager(tmp_path / "v", async_options=AsyncOptions(saver=saver)) as mgr:
+        mgr.save(1, _Training().step()).wait()
+        pid = mgr._saver.pid
+        assert pid is not None
+        assert os.sched_getscheduler(pid) == getattr(os, policy)
+        threads = os.listdir(f"/proc/{pid}/task")
+        assert len(threads) > 1 and {os.sched_getscheduler(int(t)) for t in threads} == {getattr(os, policy)}
+
+
+def test_progress_logs_and_warnings_of_the_saver_process_arrive_in_the_training_process(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    seen: list[tuple[int, int]] = []
+    state = {"w": torch.randn(3_000_000), "tiny": torch.full((1000,), 1e-9)}  # fp16 flushes "tiny": a fallback warning
+    with CheckpointManager(tmp_path / "v", async_options=PROCESS, codec_rules={"tiny": "fp16"}) as mgr:
+        with caplog.at_level(logging.INFO, logger="ckptvault"):
+            handle = mgr.save(1, state, progress=lambda n, total: seen.append((n, total)))
+            with pytest.warns(RuntimeWarning, match=r"fp16 on 'tiny' is unsafe: .* fell back to bf16"):
+                info = handle.wait()
+    assert info is not None and len(seen) >= 3
+    assert sum(n for n, _ in seen) == seen[0][1] == 4 * 3_000_000 + 2 * 1000  # as chunked: "tiny" in bf16
+    assert {total for _, total in seen} == {seen[0][1]} and info.logical_bytes == 4 * 3_001_000
+    committed = [r for r in caplog.records if r.getMessage().startswith("committed step 1 to ")]
+    assert len(committed) == 1 and committed[0].processName.startswith("ckptvault-saver-")
+
+
+def test_a_save_that_fails_in_the_saver_process_raises_its_typed_error_and_commits_nothing(tmp_path: Path) -> None:
+    training = _Training()
+    with CheckpointManager(tmp_path / "v", async_options=PROCESS, codec_rules={"tiny": "fp16"},
+                           lossy_safety=LossySafety(on_unsafe="fail")) as mgr:
+        mgr.save(1, {**training.step(), "tiny": torch.ones(100)}).wait()  # fp16 is safe here
+        handle = mgr.save(2, {**training.step(), "tiny": torch.full((100,), 1e-9)})
+        with pytest.raises(LossyCodecError, match=r"fp16 on 'tiny' is unsafe: .*flushed to zero"):
+            handle.wait()
+        assert mgr.steps() == [1]
+        state = training.step()
+        mgr.save(3, state).wait()  # the same saver process goes on
+        assert mgr.steps() == [1, 3]
+        _same(mgr.restore(3), _clone(state))
+
+
+def test_a_saver_process_killed_mid_save_fails_that_save_and_the_next_save_starts_another(tmp_path: Path) -> None:
+    training = _Training()
+    big = {"data": torch.randn(12 * 1024 * 1024 // 4 * 3)}  # 36 MiB: nine chunks, so the first progress is early
+
+    with CheckpointManager(tmp_path / "v", async_options=PROCESS) as mgr:
+        first = training.step()
+        mgr.save(1, first).wait()
+        first = _clone(first)
+        pid = mgr._saver.pid
+        assert pid is not None
+
+        def kill_at_first_chunk(n: int) -> None:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+        handle = mgr.save(2, big, progress=kill_at_first_chunk)
+        with pytest.raises(SaveError, match=rf"the saver process \(pid {pid}\) exited with status -9 while saving step "
+                                            r"2; that step was not reported committed, .* The next save starts a new"):
+            handle.wait()
+        assert mgr.steps() == [1]
+        state = training.step()
+        mgr.save(3, state).wait()
+        assert mgr._saver.pid not in (None, pid)
+        assert mgr.steps() == [1, 3]
+        _same(mgr.restore(1), first)
+        _same(mgr.restore(3), _clone(state))
+        assert mgr.verify().ok
+
+
+def test_a_saver_process_that_died_between_saves_is_replaced_by_the_next_save(tmp_path: Path) -> None:
+    with CheckpointManager(tmp_path / "v", async_options=PROCESS) as mgr:
+        pid = mgr._saver.pid
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        state = _Training().step()
+        mgr.save(1, state).wait()
+        assert mgr._saver.pid != pid
+        _same(mgr.restore(1), _clone(state))
+
+
+KILL_TRAINER = textwrap.dedent("""
+    import os, signal, sys, time, torch
+    from ckptvault import AsyncOptions, CheckpointManager
+    mgr = CheckpointManager(sys.argv[1], async_options=AsyncOptions(saver="process"))
+    mgr.save(1, {"w": torch.zeros(10)}).wait()
+    print(mgr._saver.pid, flush=True)
+    torch.manual_seed(1)
+    mgr.save(2, {"w": torch.randn(16 * 1024 * 1024)})  # 64 MiB: still being written below
+    time.sleep(0.05)
+    os.kill(os.getpid(), signal.SIGKILL)
+""")
+
+
+def test_a_training_process_killed_after_save_returned_still_gets_that_checkpoint_committed(tmp_path: Path) -> None:
+    vault = tmp_path / "v"
+    run = subprocess.run([sys.executable, "-c", KILL_TRAINER, str(vault)], capture_output=True, text=True, timeout=120)
+    assert run.returncode == -signal.SIGKILL, run.stderr
+    pid = int(run.stdout.split()[0])
+    deadline = time.monotonic() + 60
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(pid), "the saver process outlived the training process"
+    with CheckpointManager(vault) as mgr:
+        assert mgr.steps() == [1, 2]
+        torch.manual_seed(1)
+        _same(mgr.restore(2), {"w": torch.randn(16 * 1024 * 1024)})
+        assert mgr.verify().ok
+
+
+def test_a_skipped_save_while_the_saver_process_is_busy(tmp_path: Path) -> None:
+    options = AsyncOptions(saver="process", on_busy="skip")
+    with CheckpointManager(tmp_path / "v", async_options=options) as mgr:
+        mgr.save(1, {"w": torch.zeros(10)}).wait()
+        first = mgr.save(2, {"w": torch.randn(16 * 1024 * 1024)})
+        with pytest.warns(RuntimeWarning, match="skipping the save of step 3: step 2 is still being saved"):
+            skipped = mgr.save(3, {"w": torch.ones(10)})
+        assert skipped.skipped and skipped.wait() is None
+        first.wait()
+        assert mgr.steps() == [1, 2]
+
+
+def test_retention_and_a_growing_staging_buffer_with_a_saver_process(tmp_path: Path) -> None:
+    states = [{"w": torch.full((n,), float(n))} for n in (10, 1000, 300_000, 20)]
+    with CheckpointManager(tmp_path / "v", async_options=PROCESS, retention=Retention(keep_last=2)) as mgr:
+        for step, state in enumerate(states, 1):
+            mgr.save(step, state)
+        mgr.wait()
+        assert mgr.steps() == [3, 4]
+        _same(mgr.restore(3), states[2])
+        _same(mgr.restore(4), states[3])
+
+
+def test_a_state_over_max_staging_bytes_is_refused_before_anything_is_written(tmp_path: Path) -> None:
+    options = AsyncOptions(saver="process", max_staging_bytes=1000)
+    with CheckpointManager(tmp_path / "v", async_options=options) as mgr:
+        mgr.save(1, {"w": torch.zeros(10)}).wait()
+        chunks = sorted(open_store(str(tmp_path / "v")).list("chunks/"))
+        with pytest.raises(InvalidArgumentError, match=r"step 2 needs more staging memory than max_staging_bytes=1000, "
+                                                       r"and a saver process can only save a staged state"):
+            mgr.save(2, {"w": torch.zeros(1000)})
+        assert mgr.steps() == [1] and sorted(open_store(str(tmp_path / "v")).list("chunks/")) == chunks
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({"async_save": False}, r"AsyncOptions\(saver='process'\) runs asynchronous saves; it needs async_save=True"),
+    ({"url": "memory://somewhere"}, r"cannot save into memory://somewhere: a saver process would open a memory store"),
+    ({"url": "store"}, r"needs the vault's URL, which the saver process opens itself, not a Store object: pass '/.*/v'"),
+])
+def test_settings_a_saver_process_cannot_serve_are_refused(tmp_path: Path, kwargs: dict[str, Any], match: str) -> None:
+    url = kwargs.pop("url", tmp_path / "v")
+    url = open_store(str(tmp_path / "v")) if url == "store" else url
+    with pytest.raises(InvalidArgumentError, match=match):
+        CheckpointManager(url, async_options=PROCESS, **kwargs)
+
+
+def test_an_unknown_saver_is_refused() -> None:
+    with pytest.raises(InvalidArgumentError, match=r"saver must be one of \('thread', 'process', 'idle-process'\), "
+                                                   r"got 'processes'"):
+        AsyncOptions(saver="processes")
+
+
+def test_a_distributed_manager_refuses_a_saver_process() -> None:
+    script = textwrap.dedent("""
+        import socket, torch.distributed as dist, ckptvault, tempfile
+        from ckptvault.errors import InvalidArgumentError
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+        try:
+            ckptvault.CheckpointManager(tempfile.mkdtemp(), async_options=ckptvault.AsyncOptions(saver="process"))
+        except InvalidArgumentError as exc:
+            print("refused:", exc)
+        finally:
+            dist.destroy_process_group()
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True).stdout
+    assert "refused: AsyncOptions(saver='process') is for single-process saves" in out
