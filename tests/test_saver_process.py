@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -140,6 +141,7 @@ def test_a_save_that_fails_in_the_saver_process_raises_its_typed_error_and_commi
 
 
 def test_a_saver_process_killed_mid_save_fails_that_save_and_the_next_save_starts_another(tmp_path: Path) -> None:
+    """SIGKILL of the saver process after its first chunk: nothing of that step is listed (DESIGN M1)."""
     training = _Training()
     big = {"data": torch.randn(12 * 1024 * 1024 // 4 * 3)}  # 36 MiB: nine chunks, so the first progress is early
 
@@ -193,6 +195,8 @@ KILL_TRAINER = textwrap.dedent("""
 
 
 def test_a_training_process_killed_after_save_returned_still_gets_that_checkpoint_committed(tmp_path: Path) -> None:
+    """SIGKILL of the training process while its save is in flight: the saver process commits it whole and exits
+    (DESIGN M1)."""
     vault = tmp_path / "v"
     run = subprocess.run([sys.executable, "-c", KILL_TRAINER, str(vault)], capture_output=True, text=True, timeout=120)
     assert run.returncode == -signal.SIGKILL, run.stderr
@@ -218,6 +222,56 @@ def test_a_skipped_save_while_the_saver_process_is_busy(tmp_path: Path) -> None:
         assert skipped.skipped and skipped.wait() is None
         first.wait()
         assert mgr.steps() == [1, 2]
+
+
+def test_saves_queue_in_their_own_buffers_while_the_saver_process_is_held_up(tmp_path: Path) -> None:
+    """max_in_flight=3: three saves stage and return while the saver process is stopped, a fourth is skipped (or
+    waits), and the three commit in order, each predicted from the one before."""
+    training = _Training()
+    options = AsyncOptions(saver="process", max_in_flight=3, on_busy="skip")
+    with CheckpointManager(tmp_path / "v", async_options=options, delta=DeltaOptions(predict=True)) as mgr:
+        mgr.save(1, training.step())
+        mgr.wait()  # finished, not only committed: its buffer is free
+        pid = mgr._saver.pid
+        assert pid is not None
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            handles, saved = [], {}
+            for _ in range(3):
+                state = training.step()
+                handles.append(mgr.save(training.steps, state))
+                saved[training.steps] = _clone(state)
+            assert [h.staged.done() and not h.done() for h in handles] == [True] * 3
+            with pytest.warns(RuntimeWarning, match="skipping the save of step 5: steps 2, 3, 4 are still being saved"):
+                assert mgr.save(5, training.step()).skipped
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        _same(mgr.restore(4), saved[4])  # waits for it
+        assert [h.done() for h in handles] == [True] * 3
+        for step, state in saved.items():
+            _same(mgr.restore(step), state)
+        assert [len(mgr.manifest(s).get("chain", [])) for s in mgr.steps()] == [0, 1, 2, 3]
+
+
+def test_a_full_queue_makes_the_next_save_wait_for_the_oldest(tmp_path: Path) -> None:
+    options = AsyncOptions(saver="process", max_in_flight=2)
+    with CheckpointManager(tmp_path / "v", async_options=options) as mgr:
+        mgr.save(1, {"w": torch.zeros(10)})
+        mgr.wait()
+        pid = mgr._saver.pid
+        assert pid is not None
+        os.kill(pid, signal.SIGSTOP)
+        first, second = mgr.save(2, {"w": torch.ones(10)}), mgr.save(3, {"w": torch.full((10,), 3.0)})
+        assert not first.done() and not second.done()
+        timer = threading.Timer(0.5, os.kill, (pid, signal.SIGCONT))
+        timer.start()
+        started = time.monotonic()
+        third = mgr.save(4, {"w": torch.full((10,), 4.0)})  # both buffers taken: waits until step 2 is finished
+        assert time.monotonic() - started >= 0.4 and first.done()
+        third.wait()
+        timer.join()
+        assert mgr.steps() == [1, 2, 3, 4]
+        _same(mgr.restore(3), {"w": torch.full((10,), 3.0)})
 
 
 def test_retention_and_a_growing_staging_buffer_with_a_saver_process(tmp_path: Path) -> None:
@@ -254,10 +308,15 @@ def test_settings_a_saver_process_cannot_serve_are_refused(tmp_path: Path, kwarg
         CheckpointManager(url, async_options=PROCESS, **kwargs)
 
 
-def test_an_unknown_saver_is_refused() -> None:
+def test_an_unknown_saver_or_queue_is_refused() -> None:
     with pytest.raises(InvalidArgumentError, match=r"saver must be one of \('thread', 'process', 'idle-process'\), "
                                                    r"got 'processes'"):
         AsyncOptions(saver="processes")
+    with pytest.raises(InvalidArgumentError, match=r"max_in_flight=2 needs a saver process \(saver='process' or "
+                                                   r"'idle-process'\): the thread saver runs one save at a time"):
+        AsyncOptions(max_in_flight=2)
+    with pytest.raises(InvalidArgumentError, match="max_in_flight must be at least 1, got 0"):
+        AsyncOptions(saver="process", max_in_flight=0)
 
 
 def test_a_distributed_manager_refuses_a_saver_process() -> None:

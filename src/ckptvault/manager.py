@@ -219,7 +219,7 @@ class CheckpointManager(MaintenanceMixin):
                 return self._collective.save(request, state, allow_pickle)
         codec = DEFAULT_CODEC if self._codec is None else self._codec
         desc = self.vault.descriptor() or self.vault.create(self._chunk_size, codec)
-        if not overwrite and (self.vault.store.exists(manifest_key(step)) or self._saver.inflight_step == step):
+        if not overwrite and (self.vault.store.exists(manifest_key(step)) or self._saver.in_flight(step)):
             raise StepExistsError(step, self.url)
         rules = CodecRules(self._codec_rules, desc.codec if self._codec is None else self._codec,
                            check_unmatched=not self._rules_checked)
@@ -371,7 +371,7 @@ class CheckpointManager(MaintenanceMixin):
                                        f"int({step!r}) for that step, or mgr.step_of({step!r}) for a pin tag of digits")
         if isinstance(step, str):
             step = self.step_of(step)
-        if step is not None and step == self._saver.inflight_step:
+        if step is not None and self._saver.in_flight(step):
             self._saver.wait()
         if self._collective is not None and step is not None and step == self._collective.inflight_step:
             self._collective.wait()

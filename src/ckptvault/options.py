@@ -93,6 +93,11 @@ class AsyncOptions:
       on CPU time the training leaves unused. For jobs whose own threads do not keep every core busy; where they
       spin (OpenMP's default wait policy) an idle saver may get no time and ``save()`` waits for it.
 
+    ``max_in_flight`` (saver processes only) is how many saves may be in flight at once, each staged in a buffer of
+    its own (so up to that many host copies of the state); the saver process runs them in order. More than one lets
+    a saver that is slower than some steps (a keyframe, a busy moment) catch up later instead of holding training
+    up; ``on_busy`` applies once every buffer holds an unfinished save.
+
     A saver process needs a vault URL it can open itself (a local path, ``file://``, ``s3://`` or another fsspec
     URL; not ``memory://`` or a Store object) and a POSIX system (``"idle-process"``: Linux). Retention and
     ``progress=`` callbacks run in the training process; the saver's log records arrive in its ``ckptvault`` loggers.
@@ -103,6 +108,7 @@ class AsyncOptions:
     on_busy: str = "wait"
     max_staging_bytes: int | None = None
     saver: str = "thread"
+    max_in_flight: int = 1
 
     def __post_init__(self) -> None:
         if self.on_busy not in ON_BUSY:
@@ -112,6 +118,12 @@ class AsyncOptions:
             raise InvalidArgumentError(f"max_staging_bytes must be at least 0 (None: no cap), got {self.max_staging_bytes}")
         if self.saver not in SAVERS:
             raise InvalidArgumentError(f"saver must be one of {SAVERS}, got {self.saver!r}")
+        check_kind("max_in_flight", self.max_in_flight, int)
+        if self.max_in_flight < 1:
+            raise InvalidArgumentError(f"max_in_flight must be at least 1, got {self.max_in_flight}")
+        if self.max_in_flight > 1 and self.saver == "thread":
+            raise InvalidArgumentError(f"max_in_flight={self.max_in_flight} needs a saver process "
+                                       "(saver='process' or 'idle-process'): the thread saver runs one save at a time")
 
 
 @dataclass(frozen=True)
@@ -150,8 +162,9 @@ class DistributedOptions:
 FLAT_KEYWORDS = {
     "keyframe_every": ("delta", "keyframe_every"), "keyframe_growth": ("delta", "keyframe_growth"),
     "cache_keyframe": ("delta", "cache_keyframe"), "on_busy": ("async_options", "on_busy"),
-    "max_staging_bytes": ("async_options", "max_staging_bytes"), "on_unsafe": ("lossy_safety", "on_unsafe"),
-    "max_flushed": ("lossy_safety", "max_flushed"),
+    "max_staging_bytes": ("async_options", "max_staging_bytes"), "saver": ("async_options", "saver"),
+    "max_in_flight": ("async_options", "max_in_flight"),
+    "on_unsafe": ("lossy_safety", "on_unsafe"), "max_flushed": ("lossy_safety", "max_flushed"),
 }
 _GROUPS = {"delta": DeltaOptions, "async_options": AsyncOptions, "lossy_safety": LossySafety}
 

@@ -33,6 +33,10 @@ class InFlight:
         handle = self._inflight
         return handle.step if handle is not None and not handle.done() else None
 
+    def in_flight(self, step: int) -> bool:
+        """Whether the save of ``step`` is in flight (not yet committed)."""
+        return self.inflight_step == step
+
     def start(self, handle: SaveHandle, task: Callable[..., None], *args: Any) -> None:
         """Run ``task(*args)`` (which never raises) on the background thread as the save of ``handle``."""
         if self._executor is None:

@@ -3,9 +3,9 @@
 The training process starts it (``_save/process_saver.py``) as ``python -c`` calling :func:`main` with one end of a
 socket pair. Messages, each a pickled tuple (both ends are this package; nothing read from storage is unpickled):
 
-* training -> saver: ``("open", ChildConfig)`` first; ``("staging", nbytes)`` followed by the shared staging
-  buffer's descriptor (``multiprocessing.reduction.send_handle``) whenever that buffer is new;
-  ``("save", SaveRequest, wants_progress, tree, records, allow_pickle, log_level)`` once the state is staged; ``("stop",)``.
+* training -> saver: ``("open", ChildConfig)`` first; ``("staging", slot, nbytes)`` followed by the descriptor of
+  the shared staging buffer of that slot (``multiprocessing.reduction.send_handle``) whenever that buffer is new;
+  ``("save", slot, SaveRequest, wants_progress, tree, records, allow_pickle, log_level)`` for a state staged there; ``("stop",)``.
 * saver -> training: ``("ready",)`` or ``("broken", error)`` once after ``open``; per save ``("progress", n,
   total)`` and ``("log", record)`` any number of times, then ``("committed", CheckpointInfo)`` or ``("failed",
   error)`` preceded by ``("warnings", warnings)``, then ``("finished", error_after_commit, warnings)``.
@@ -33,7 +33,8 @@ from typing import Any
 import numpy as np
 
 from .._codecs.lossy import LossySafety
-from .._codecs.planes import load_if_worth_it
+from .._codecs.planes import load_if_worth_it, load_kernels_in_background, wait_for_kernel_loading
+from .._delta.kernels import wait_for_fused_loading
 from .._delta.policy import DeltaPolicy
 from .._delta.predict import predictor_for
 from .._feedback import take_deferred
@@ -124,11 +125,14 @@ def main(fd: int) -> None:
         channel.send(("broken", portable(exc)))
         return
     channel.send(("ready",))
+    load_kernels_in_background()  # this process exists to save: numba's kernels pay from the first saves on
     try:
         _serve(conn, channel, saver)
     finally:
         saver.close()
         vault.close()
+        wait_for_kernel_loading()  # no thread left importing numba while the interpreter exits
+        wait_for_fused_loading()
 
 
 def _after_commit(step: int) -> None:
@@ -136,7 +140,7 @@ def _after_commit(step: int) -> None:
 
 
 def _serve(conn: Connection, channel: _Channel, saver: Saver) -> None:
-    staging: np.ndarray | None = None
+    staging: dict[int, np.ndarray] = {}  # slot -> that staging buffer's bytes
     while True:
         try:
             message = conn.recv()
@@ -145,10 +149,9 @@ def _serve(conn: Connection, channel: _Channel, saver: Saver) -> None:
         if message[0] == "stop":
             return
         if message[0] == "staging":
-            staging = _map(recv_handle(conn), message[1])
+            staging[message[1]] = _map(recv_handle(conn), message[2])
         elif message[0] == "save":
-            assert staging is not None, "a save before its staging buffer"
-            _save(channel, saver, staging, *message[1:])
+            _save(channel, saver, staging[message[1]], *message[2:])
 
 
 def _map(fd: int, nbytes: int) -> np.ndarray:

@@ -8,7 +8,8 @@ Order of calls for one save, as for the thread :class:`~ckptvault._save.pipeline
 thread: raise an unreported error, wait for or skip the save in flight, copy the state into the shared staging
 buffer) -> the background thread sends the save to the saver process (``_save/process_child.py``), reports its
 commit on the handle, runs the after-commit hook (retention) here, and ends when the saver process has finished.
-At most one save is in flight, so one staging buffer serves every save.
+Up to ``AsyncOptions.max_in_flight`` saves may be in flight, each in a staging buffer of its own; the saver process
+runs them one after another in the order they were made, so a save's predictions see the save before it.
 
 Failure: a save that fails in the saver process fails its handle with the same typed error; if the saver process
 dies, its save in flight fails with :class:`SaveError` and the next save starts a new saver process. Either way
@@ -23,8 +24,10 @@ import socket
 import subprocess
 import sys
 import warnings
+from collections import deque
 from collections.abc import Callable
-from dataclasses import replace
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import send_handle
 from typing import Any
@@ -63,7 +66,7 @@ class _Child:
             self.conn = Connection(ours.detach())
         self.conn.send(("open", config))
         self.ready = False
-        self.staging_generation = 0  # of the staging buffer this process has mapped (0: none)
+        self.staging_generations: dict[int, int] = {}  # slot -> generation of the staging buffer mapped there
         log.debug("started saver process %d", self.process.pid)
 
     def alive(self) -> bool:
@@ -91,6 +94,15 @@ class _Child:
         self.conn.close()
 
 
+@dataclass
+class _Queued:
+    """A save handed to the background thread: its handle, its task there, and the staging buffer it holds."""
+
+    handle: SaveHandle
+    task: Future[None]
+    slot: int
+
+
 class ProcessSaver(InFlight):
     """Runs asynchronous saves into one vault in a saver process (module docstring)."""
 
@@ -101,7 +113,8 @@ class ProcessSaver(InFlight):
         self.config, self.idle = config, async_options.saver == "idle-process"
         self.on_busy, self.max_staging_bytes = async_options.on_busy, async_options.max_staging_bytes
         self.after_commit = after_commit
-        self._staging = SharedStaging()
+        self._slots = [SharedStaging() for _ in range(async_options.max_in_flight)]  # memory only once used
+        self._queue: deque[_Queued] = deque()  # saves not yet finished, oldest first; run in this order
         self._child: _Child | None = _Child(config, self.idle)  # starts now: its imports overlap the caller's set-up
         register_live(self)
 
@@ -110,18 +123,37 @@ class ProcessSaver(InFlight):
         """The saver process's pid (None before a restart has started the next one)."""
         return self._child.process.pid if self._child is not None else None
 
+    @property
+    def inflight_step(self) -> int | None:
+        """The newest save not yet committed, or None."""
+        steps = self._unfinished()
+        return steps[-1] if steps else None
+
+    def in_flight(self, step: int) -> bool:
+        return step in self._unfinished()
+
+    def _unfinished(self) -> list[int]:
+        return [queued.handle.step for queued in list(self._queue) if not queued.handle.done()]
+
     def submit(self, request: SaveRequest, state: Any, rules: CodecRules, allow_pickle: bool) -> SaveHandle:
-        """Stage ``state`` into shared memory and hand its save to the saver process."""
+        """Stage ``state`` into a free shared buffer and queue its save for the saver process. With every buffer
+        held, first wait for the oldest save to finish; or, with ``on_busy="skip"`` and none of them committed yet,
+        skip this one (a committed save is only running its after-commit step: it is waited for)."""
         self.raise_pending()
-        if self.inflight_step is not None and self.on_busy == "skip":
-            warnings.warn(f"skipping the save of step {request.step}: step {self.inflight_step} is still being saved",
+        slot = self._free_slot()
+        if slot is None and self.on_busy == "skip" and not any(queued.handle.done() for queued in self._queue):
+            busy = self._unfinished()
+            what = f"step {busy[0]} is" if len(busy) == 1 else f"steps {', '.join(map(str, busy))} are"
+            warnings.warn(f"skipping the save of step {request.step}: {what} still being saved",
                           RuntimeWarning, stacklevel=3)
             return SaveHandle.skipped_save(request.step)
-        self.wait_inflight()
-        self.raise_pending()
+        while slot is None:
+            self._queue[0].task.result()  # never raises: errors are kept with keep_error
+            self.raise_pending()
+            slot = self._free_slot()
         pause_collector()
         try:
-            snapshot = take_snapshot(state, rules, allow_pickle, self._staging, self.max_staging_bytes)
+            snapshot = take_snapshot(state, rules, allow_pickle, self._slots[slot], self.max_staging_bytes)
             if not snapshot.staged:
                 raise InvalidArgumentError(
                     f"step {request.step} needs more staging memory than max_staging_bytes={self.max_staging_bytes}, "
@@ -129,17 +161,33 @@ class ProcessSaver(InFlight):
                     "AsyncOptions(saver='thread'), which saves such a state synchronously")
             handle = SaveHandle(request.step)
             handle.staged.set_result(None)
-            self.start(handle, self._complete, handle, request, snapshot)
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(1, thread_name_prefix=self._thread_name)
+            task = self._executor.submit(self._complete, handle, request, snapshot, slot)
+            self._queue.append(_Queued(handle, task, slot))
         finally:
             resume_collector()
         return handle
 
-    def _complete(self, handle: SaveHandle, request: SaveRequest, snapshot: Snapshot) -> None:
+    def _free_slot(self) -> int | None:
+        """A staging buffer no unfinished save holds (forgetting finished saves), or None."""
+        while self._queue and self._queue[0].task.done():
+            self._queue.popleft()  # saves finish in the order they were queued
+        held = {queued.slot for queued in self._queue}
+        return next((slot for slot in range(len(self._slots)) if slot not in held), None)
+
+    def wait_inflight(self) -> None:
+        """Wait until every queued save has finished (committed or failed, and what runs after it)."""
+        while self._queue:
+            self._queue[0].task.result()
+            self._queue.popleft()
+
+    def _complete(self, handle: SaveHandle, request: SaveRequest, snapshot: Snapshot, slot: int) -> None:
         """The background thread's part of one save (never raises: the outcome goes to the handle)."""
         child = None
         try:
             child = self._ready_child()
-            self._send(child, request, snapshot)
+            self._send(child, request, snapshot, slot)
             del snapshot  # the saver process reads the staged bytes; nothing here needs the records any more
             self._follow(child, handle, request)
         except BaseException as caught:  # noqa: BLE001 - handed to the caller, not swallowed
@@ -171,15 +219,16 @@ class ProcessSaver(InFlight):
             child.ready = True
         return child
 
-    def _send(self, child: _Child, request: SaveRequest, snapshot: Snapshot) -> None:
-        if child.staging_generation != self._staging.generation:
-            child.conn.send(("staging", self._staging.capacity))
-            assert self._staging.fd is not None  # the snapshot just filled the buffer
-            send_handle(child.conn, self._staging.fd, child.process.pid)
-            child.staging_generation = self._staging.generation
+    def _send(self, child: _Child, request: SaveRequest, snapshot: Snapshot, slot: int) -> None:
+        staging = self._slots[slot]
+        if child.staging_generations.get(slot) != staging.generation:
+            child.conn.send(("staging", slot, staging.capacity))
+            assert staging.fd is not None  # the snapshot just filled the buffer
+            send_handle(child.conn, staging.fd, child.process.pid)
+            child.staging_generations[slot] = staging.generation
         wants_progress = request.progress is not None
-        child.conn.send(("save", replace(request, progress=None), wants_progress, snapshot.tree, snapshot.records,
-                         snapshot.allow_pickle, logging.getLogger("ckptvault").getEffectiveLevel()))
+        child.conn.send(("save", slot, replace(request, progress=None), wants_progress, snapshot.tree,
+                         snapshot.records, snapshot.allow_pickle, logging.getLogger("ckptvault").getEffectiveLevel()))
 
     def _follow(self, child: _Child, handle: SaveHandle, request: SaveRequest) -> None:
         """Act on the saver process's messages about this save until it has finished."""
@@ -230,7 +279,8 @@ class ProcessSaver(InFlight):
             if self._child is not None:
                 self._child.stop()
                 self._child = None
-            self._staging.close()
+            for staging in self._slots:
+                staging.close()
 
 
 def check_process_saver(saver: str, url: str) -> None:
