@@ -189,9 +189,12 @@ def test_fresh_refuses_to_delete_a_folder_that_is_not_a_vault(tmp_path: Path) ->
     assert (tmp_path / "precious.txt").read_text() == "keep me"
 
 
-def test_demo_checkpoints_every_step_as_predicted_deltas(tmp_path: Path) -> None:
+@pytest.mark.parametrize("saver", ["thread", pytest.param("idle-process", marks=pytest.mark.skipif(
+    not hasattr(os, "SCHED_IDLE"), reason="Linux's idle scheduling class"))])
+def test_demo_checkpoints_every_step_as_predicted_deltas(tmp_path: Path, saver: str) -> None:
     vault = tmp_path / "vault"
-    proc = run_cli("demo", "--vault", str(vault), "--steps", "4", "--every", "1", "--predict", "--repeat", "1", *TINY)
+    proc = run_cli("demo", "--vault", str(vault), "--steps", "4", "--every", "1", "--predict", "--saver", saver,
+                   "--repeat", "1", *TINY)
     assert proc.returncode == 0, proc.stderr
     assert "restore of step 4 in a fresh process: bit-exact" in proc.stdout
     with ckptvault.CheckpointManager(vault) as mgr:

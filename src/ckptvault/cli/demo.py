@@ -9,6 +9,7 @@ from contextlib import contextmanager
 import click
 
 from ..demo.run import DemoOptions, DemoReport, OnStep, run_demo
+from ..options import SAVERS
 from .common import EXIT_DAMAGED, emit_json, group_storage_options, json_option, parse_options, progress_enabled, progress_option
 from .render import human_bytes, table
 
@@ -33,6 +34,9 @@ from .render import human_bytes, table
               help="Store a checkpoint one optimizer step after the previous one as the XOR with its prediction from "
                    "it (DeltaOptions(predict=True), keyframe_every=20, max_chain=19); with --every 1, a checkpoint "
                    "every step.")
+@click.option("--saver", type=click.Choice(SAVERS), default="thread", show_default=True,
+              help="Where the work after each checkpoint's host copy runs: a thread of the training process, a "
+                   "saver process, or a saver process in Linux's idle scheduling class (AsyncOptions(saver=...)).")
 @click.option("--codec", default="zstd", show_default=True, help="Vault codec: zstd, zstd-N, lz4, none/fast.")
 @click.option("--batch-size", type=click.IntRange(min=1), default=16, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
@@ -43,8 +47,8 @@ from .render import human_bytes, table
 @json_option
 @progress_option
 def demo(vault: str, storage_options: tuple[str, ...], codec_rules: str | None, keep_last: int | None, minutes: float,
-         steps: int | None, every: int, predict: bool, codec: str, batch_size: int, seed: int, resume: bool, fresh: bool,
-         repeat: int, as_json: bool, progress: bool | None) -> None:
+         steps: int | None, every: int, predict: bool, saver: str, codec: str, batch_size: int, seed: int, resume: bool,
+         fresh: bool, repeat: int, as_json: bool, progress: bool | None) -> None:
     """Train a GPT, checkpoint it, check a restore.
 
     Trains a small GPT on the Python standard library's sources for about --minutes (or --steps) with AdamW and a warmup-cosine LR
@@ -60,7 +64,7 @@ def demo(vault: str, storage_options: tuple[str, ...], codec_rules: str | None, 
     opts = DemoOptions(vault=vault, minutes=minutes, steps=steps, every=every, codec=codec, resume=resume,
                        fresh=fresh, batch_size=batch_size, seed=seed, repeat=repeat,
                        storage_options=_demo_storage_options(storage_options), codec_rules=codec_rules,
-                       keep_last=keep_last, predict=predict)
+                       keep_last=keep_last, predict=predict, saver=saver)
     with _training_bar(progress) as on_step:
         report = run_demo(opts, on_step)
     if as_json:

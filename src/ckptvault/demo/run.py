@@ -29,7 +29,7 @@ from .._maintenance.mixin import Retention
 from .._vault import DESCRIPTOR_KEY
 from ..errors import InvalidArgumentError, VaultError
 from ..manager import CheckpointManager
-from ..options import DeltaOptions
+from ..options import AsyncOptions, DeltaOptions
 from ..stores import LocalStore, open_store
 from .check import STORAGE_OPTIONS_ENV, write_reference
 from .model import num_params
@@ -65,6 +65,7 @@ class DemoOptions:
     codec_rules: str | dict[str, str] | None = None  # a preset name ("fp16": the seed workflow) or rules
     keep_last: int | None = None  # retention after each save (the vault's lifecycle; gc included)
     predict: bool = False  # predicted deltas, for checkpoints one step apart (--every 1)
+    saver: str = "thread"  # AsyncOptions.saver: where the work after each host copy runs
 
 
 @dataclass
@@ -112,8 +113,8 @@ def run_demo(opts: DemoOptions, on_step: OnStep | None = None) -> DemoReport:
         _remove_vault(opts.vault, opts.storage_options)
     retention = Retention(keep_last=opts.keep_last) if opts.keep_last else None
     with CheckpointManager(opts.vault, codec=opts.codec, storage_options=opts.storage_options,
-                           codec_rules=opts.codec_rules, retention=retention, delta=_delta_options(opts)
-                           ) as mgr, tempfile.TemporaryDirectory(
+                           codec_rules=opts.codec_rules, retention=retention, delta=_delta_options(opts),
+                           async_options=AsyncOptions(saver=opts.saver)) as mgr, tempfile.TemporaryDirectory(
         prefix=".ckptvault-demo-", dir=_scratch_parent(mgr)
     ) as scratch:
         latest = _resume_point(mgr, opts)
