@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from ckptvault import AsyncOptions, CheckpointManager, DeltaOptions, LossySafety, Retention
+from ckptvault._save.process_saver import ProcessSaver
 from ckptvault.errors import InvalidArgumentError, LossyCodecError, SaveError
 from ckptvault.stores import open_store
 
@@ -335,3 +336,10 @@ def test_a_distributed_manager_refuses_a_saver_process() -> None:
     """)
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True).stdout
     assert "refused: AsyncOptions(saver='process') is for single-process saves" in out
+
+
+def test_the_flat_spellings_fold_into_async_options(tmp_path: Path) -> None:
+    with CheckpointManager(tmp_path / "v", saver="process", max_in_flight=2) as mgr:
+        assert isinstance(mgr._saver, ProcessSaver) and len(mgr._saver._slots) == 2
+        mgr.save(1, {"w": torch.ones(3)}).wait()
+        _same(mgr.restore(1), {"w": torch.ones(3)})

@@ -102,7 +102,7 @@ class AsyncOptions:
     URL; not ``memory://`` or a Store object) and a POSIX system (``"idle-process"``: Linux). Retention and
     ``progress=`` callbacks run in the training process; the saver's log records arrive in its ``ckptvault`` loggers.
     If the saver process dies, its save in flight fails with :class:`~ckptvault.errors.SaveError` and the next save
-    starts a new one. Figures: docs/benchmarks/async.md, docs/benchmarks/predicted.md.
+    starts a new one. Figures: docs/benchmarks/async.md (thread), docs/benchmarks/predicted.md (every step, each saver).
     """
 
     on_busy: str = "wait"
