@@ -18,6 +18,8 @@ import pytest
 import torch
 
 from ckptvault import AsyncOptions, CheckpointManager, DeltaOptions, LossySafety, Retention
+from ckptvault._delta.policy import DeltaPolicy
+from ckptvault._save.process_child import ChildConfig
 from ckptvault._save.process_saver import ProcessSaver
 from ckptvault.errors import InvalidArgumentError, LossyCodecError, SaveError
 from ckptvault.stores import open_store
@@ -183,14 +185,13 @@ def test_a_saver_process_that_died_between_saves_is_replaced_by_the_next_save(tm
 
 
 KILL_TRAINER = textwrap.dedent("""
-    import os, signal, sys, time, torch
+    import os, signal, sys, torch
     from ckptvault import AsyncOptions, CheckpointManager
     mgr = CheckpointManager(sys.argv[1], async_options=AsyncOptions(saver="process"))
     mgr.save(1, {"w": torch.zeros(10)}).wait()
     print(mgr._saver.pid, flush=True)
     torch.manual_seed(1)
-    mgr.save(2, {"w": torch.randn(16 * 1024 * 1024)})  # 64 MiB: still being written below
-    time.sleep(0.05)
+    mgr.save(2, {"w": torch.randn(16 * 1024 * 1024)})  # 64 MiB: not written yet below
     os.kill(os.getpid(), signal.SIGKILL)
 """)
 
@@ -307,6 +308,15 @@ def test_settings_a_saver_process_cannot_serve_are_refused(tmp_path: Path, kwarg
     url = open_store(str(tmp_path / "v")) if url == "store" else url
     with pytest.raises(InvalidArgumentError, match=match):
         CheckpointManager(url, async_options=PROCESS, **kwargs)
+
+
+def test_settings_that_do_not_pickle_are_refused_before_a_saver_process_starts(tmp_path: Path) -> None:
+    config = ChildConfig(str(tmp_path / "v"), {"token": lambda: "secret"}, None, DeltaPolicy(), False, LossySafety(),
+                         True, logging.WARNING)
+    with pytest.raises(InvalidArgumentError, match=r"AsyncOptions\(saver='process'\) sends the manager's settings to "
+                                                   r"the saver process, and they do not pickle \(.*\): give "
+                                                   r"storage_options as plain values"):
+        ProcessSaver(config, PROCESS)
 
 
 def test_an_unknown_saver_or_queue_is_refused() -> None:

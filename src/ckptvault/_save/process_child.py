@@ -110,7 +110,10 @@ def main(fd: int) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     conn = Connection(fd)
     channel = _Channel(conn)
-    kind, config = conn.recv()
+    try:
+        kind, config = conn.recv()
+    except EOFError:  # the training process is gone before it sent anything
+        return
     assert kind == "open", kind
     logger = logging.getLogger("ckptvault")
     logger.addHandler(_Forward(channel))

@@ -5,9 +5,11 @@ low its priority; a separate process shares nothing but memory bandwidth, and in
 on CPU time training leaves unused.
 
 Order of calls for one save, as for the thread :class:`~ckptvault._save.pipeline.Saver`: ``submit`` (caller's
-thread: raise an unreported error, wait for or skip the save in flight, copy the state into the shared staging
-buffer) -> the background thread sends the save to the saver process (``_save/process_child.py``), reports its
-commit on the handle, runs the after-commit hook (retention) here, and ends when the saver process has finished.
+thread: raise an unreported error, wait for or skip a save in flight, copy the state into a free shared staging
+buffer and send the save to the saver process, ``_save/process_child.py``, before returning) -> the background
+thread follows the saver process's messages about it, reports its commit on the handle, runs the after-commit hook
+(retention) here, and ends when the saver process has finished it. Once ``save()`` has returned, the saver process
+holds the save: it commits it even if the training process dies next.
 Up to ``AsyncOptions.max_in_flight`` saves may be in flight, each in a staging buffer of its own; the saver process
 runs them one after another in the order they were made, so a save's predictions see the save before it.
 
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 import socket
 import subprocess
 import sys
@@ -65,7 +68,7 @@ class _Child:
                                             stdin=subprocess.DEVNULL)
             self.conn = Connection(ours.detach())
         self.conn.send(("open", config))
-        self.ready = False
+        self.broken: BaseException | None = None  # the error it answered "open" with, if any
         self.staging_generations: dict[int, int] = {}  # slot -> generation of the staging buffer mapped there
         log.debug("started saver process %d", self.process.pid)
 
@@ -113,6 +116,12 @@ class ProcessSaver(InFlight):
         self.config, self.idle = config, async_options.saver == "idle-process"
         self.on_busy, self.max_staging_bytes = async_options.on_busy, async_options.max_staging_bytes
         self.after_commit = after_commit
+        try:
+            pickle.dumps(config)
+        except Exception as exc:  # noqa: BLE001 - any failure to pickle means: these settings cannot be sent
+            raise InvalidArgumentError(f"AsyncOptions(saver={async_options.saver!r}) sends the manager's settings to "
+                                       f"the saver process, and they do not pickle ({type(exc).__name__}: {exc}): "
+                                       "give storage_options as plain values") from None
         self._slots = [SharedStaging() for _ in range(async_options.max_in_flight)]  # memory only once used
         self._queue: deque[_Queued] = deque()  # saves not yet finished, oldest first; run in this order
         self._child: _Child | None = _Child(config, self.idle)  # starts now: its imports overlap the caller's set-up
@@ -160,10 +169,11 @@ class ProcessSaver(InFlight):
                     "and a saver process can only save a staged state: raise max_staging_bytes, or use "
                     "AsyncOptions(saver='thread'), which saves such a state synchronously")
             handle = SaveHandle(request.step)
+            child = self._send(request, snapshot, slot)  # now: the saver process holds it, whatever happens here
             handle.staged.set_result(None)
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(1, thread_name_prefix=self._thread_name)
-            task = self._executor.submit(self._complete, handle, request, snapshot, slot)
+            task = self._executor.submit(self._complete, handle, request, child)
             self._queue.append(_Queued(handle, task, slot))
         finally:
             resume_collector()
@@ -182,18 +192,14 @@ class ProcessSaver(InFlight):
             self._queue[0].task.result()
             self._queue.popleft()
 
-    def _complete(self, handle: SaveHandle, request: SaveRequest, snapshot: Snapshot, slot: int) -> None:
-        """The background thread's part of one save (never raises: the outcome goes to the handle)."""
-        child = None
+    def _complete(self, handle: SaveHandle, request: SaveRequest, child: _Child) -> None:
+        """The background thread's part of one save, sent to ``child`` (never raises: the outcome goes to the
+        handle)."""
         try:
-            child = self._ready_child()
-            self._send(child, request, snapshot, slot)
-            del snapshot  # the saver process reads the staged bytes; nothing here needs the records any more
             self._follow(child, handle, request)
         except BaseException as caught:  # noqa: BLE001 - handed to the caller, not swallowed
-            if isinstance(caught, (EOFError, OSError)) and child is not None:
+            if isinstance(caught, (EOFError, OSError)):
                 caught = child.gone(request.step)
-                self._child = None
             exc = typed_error(caught, f"the save of step {request.step} failed, nothing committed")
             log.error("%s", exc)
             if not handle.done():
@@ -202,39 +208,42 @@ class ProcessSaver(InFlight):
             else:
                 self.keep_error(exc, None)
 
-    def _ready_child(self) -> _Child:
-        """The saver process, started anew if it died, once it has opened the vault."""
-        if self._child is None or not self._child.alive():
-            if self._child is not None:
-                log.warning("saver process %d exited (status %s); starting a new one", self._child.process.pid,
-                            self._child.process.returncode)
-            self._child = _Child(self.config, self.idle)
+    def _live_child(self) -> _Child:
+        """The saver process, started anew if it died or could not open the vault."""
         child = self._child
-        if not child.ready:
-            answer = child.conn.recv()
-            if answer[0] == "broken":
-                self._child = None
-                child.stop()
-                raise answer[1]
-            child.ready = True
+        if child is None or child.broken is not None or not child.alive():
+            if child is not None:
+                log.warning("saver process %d exited (status %s); starting a new one", child.process.pid,
+                            child.process.poll())
+            child = self._child = _Child(self.config, self.idle)
         return child
 
-    def _send(self, child: _Child, request: SaveRequest, snapshot: Snapshot, slot: int) -> None:
+    def _send(self, request: SaveRequest, snapshot: Snapshot, slot: int) -> _Child:
+        """Send the staged save to the saver process (the staging buffer's descriptor first, where that process has
+        not mapped it yet); returns the process it went to. The save is queued there behind any others."""
+        child = self._live_child()
         staging = self._slots[slot]
-        if child.staging_generations.get(slot) != staging.generation:
-            child.conn.send(("staging", slot, staging.capacity))
-            assert staging.fd is not None  # the snapshot just filled the buffer
-            send_handle(child.conn, staging.fd, child.process.pid)
-            child.staging_generations[slot] = staging.generation
-        wants_progress = request.progress is not None
-        child.conn.send(("save", slot, replace(request, progress=None), wants_progress, snapshot.tree,
-                         snapshot.records, snapshot.allow_pickle, logging.getLogger("ckptvault").getEffectiveLevel()))
+        try:
+            if child.staging_generations.get(slot) != staging.generation:
+                child.conn.send(("staging", slot, staging.capacity))
+                assert staging.fd is not None  # the snapshot just filled the buffer
+                send_handle(child.conn, staging.fd, child.process.pid)
+                child.staging_generations[slot] = staging.generation
+            wants_progress = request.progress is not None
+            child.conn.send(("save", slot, replace(request, progress=None), wants_progress, snapshot.tree,
+                             snapshot.records, snapshot.allow_pickle,
+                             logging.getLogger("ckptvault").getEffectiveLevel()))
+        except OSError:
+            pass  # it died: the task following this save reports it (end of file), and the next save starts another
+        return child
 
     def _follow(self, child: _Child, handle: SaveHandle, request: SaveRequest) -> None:
         """Act on the saver process's messages about this save until it has finished."""
         progress: Callable[..., None] | None = request.progress
         with_total = progress is not None and takes_total(progress)
         while True:
+            if child.broken is not None:  # it could not open the vault: every save sent to it fails so
+                raise child.broken
             message = child.conn.recv()
             kind = message[0]
             if kind == "progress" and progress is not None:
@@ -244,6 +253,8 @@ class ProcessSaver(InFlight):
                 logger = logging.getLogger(record.name)
                 if logger.isEnabledFor(record.levelno):
                     logger.handle(record)
+            elif kind == "broken":
+                child.broken = message[1]
             elif kind == "warnings":
                 defer(message[1])
             elif kind == "committed":
