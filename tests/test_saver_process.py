@@ -23,6 +23,7 @@ from ckptvault._save.process_child import ChildConfig
 from ckptvault._save.process_saver import ProcessSaver
 from ckptvault.errors import InvalidArgumentError, LossyCodecError, SaveError
 from ckptvault.stores import open_store
+from helpers.one_rank_job import made_in_a_job
 
 pytestmark = pytest.mark.skipif(os.name != "posix", reason="a saver process needs a POSIX system")
 
@@ -331,21 +332,8 @@ def test_an_unknown_saver_or_queue_is_refused() -> None:
 
 
 def test_a_distributed_manager_refuses_a_saver_process() -> None:
-    script = textwrap.dedent("""
-        import socket, torch.distributed as dist, ckptvault, tempfile
-        from ckptvault.errors import InvalidArgumentError
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-        try:
-            ckptvault.CheckpointManager(tempfile.mkdtemp(), async_options=ckptvault.AsyncOptions(saver="process"))
-        except InvalidArgumentError as exc:
-            print("refused:", exc)
-        finally:
-            dist.destroy_process_group()
-    """)
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True).stdout
-    assert "refused: AsyncOptions(saver='process') is for single-process saves" in out
+    assert made_in_a_job("async_options=ckptvault.AsyncOptions(saver='process')").startswith(
+        "refused: AsyncOptions(saver='process') is for single-process saves")
 
 
 def test_the_flat_spellings_fold_into_async_options(tmp_path: Path) -> None:
