@@ -129,7 +129,7 @@ class ProcessSaver(InFlight):
 
     @property
     def pid(self) -> int | None:
-        """The saver process's pid (None before a restart has started the next one)."""
+        """The pid of the saver process started last (None once closed)."""
         return self._child.process.pid if self._child is not None else None
 
     @property
