@@ -341,3 +341,15 @@ def test_the_flat_spellings_fold_into_async_options(tmp_path: Path) -> None:
         assert isinstance(mgr._saver, ProcessSaver) and len(mgr._saver._slots) == 2
         mgr.save(1, {"w": torch.ones(3)}).wait()
         _same(mgr.restore(1), {"w": torch.ones(3)})
+
+
+def test_a_retention_that_fails_after_a_commit_in_the_saver_process_is_raised_by_the_next_call(tmp_path: Path) -> None:
+    def broken(info: Any) -> bool:
+        raise ZeroDivisionError("no")
+
+    with CheckpointManager(tmp_path / "v", async_options=PROCESS, retention=Retention(keep_last=1, keep_if=broken)) as mgr:
+        assert mgr.save(1, {"w": torch.ones(3)}).wait() is not None  # committed: the retention runs after it
+        with pytest.raises(SaveError, match=r"step 1 was committed, but the retention that runs after it failed: "
+                                            r"ZeroDivisionError: no"):
+            mgr.wait()
+        assert mgr.steps() == [1]

@@ -8,12 +8,16 @@ that error once unless the handle's ``wait()`` already did; :meth:`stop_thread` 
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+from ..errors import SaveError, VaultError
 from ..handle import SaveHandle
+
+log = logging.getLogger(__name__)
 
 
 class InFlight:
@@ -52,6 +56,18 @@ class InFlight:
             self._task = None
         self._inflight = None
 
+    def run_after_commit(self, after_commit: Callable[[int], None] | None, step: int) -> None:
+        """Run the after-commit hook (retention) of committed ``step``; its failure is logged and kept with
+        :meth:`keep_error` for the next save, wait or close, as the commit stands."""
+        if after_commit is None:
+            return
+        try:
+            after_commit(step)
+        except BaseException as exc:  # noqa: BLE001 - kept for the next save, wait or close
+            log.error("after-commit step (retention) of step %d failed: %s", step, exc)
+            self.keep_error(typed_error(exc, f"step {step} was committed, but the retention that runs after it failed"),
+                            None)
+
     def keep_error(self, error: BaseException, handle: SaveHandle | None) -> None:
         """Keep ``error`` for :meth:`raise_pending`; ``handle``: the failed save's (None: an error after a commit)."""
         with self._lock:
@@ -73,3 +89,14 @@ class InFlight:
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None
+
+
+def typed_error(exc: BaseException, what: str) -> BaseException:
+    """``exc`` if it is one of ckptvault's errors (or not an Exception: KeyboardInterrupt, SystemExit), else a
+    :class:`SaveError` "``what``: Type: message" with ``exc`` as its cause: an unexpected failure (a store's own
+    exception, a codec bug, MemoryError) still reaches the caller as a typed error."""
+    if isinstance(exc, VaultError) or not isinstance(exc, Exception):
+        return exc
+    wrapped = SaveError(f"{what}: {type(exc).__name__}: {exc}")
+    wrapped.__cause__ = exc
+    return wrapped

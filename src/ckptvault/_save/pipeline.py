@@ -26,7 +26,7 @@ import warnings
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from .._argcheck import check_kind
 from .._codecs.lossy import LossySafety
@@ -34,7 +34,6 @@ from .._delta.policy import DeltaPolicy, KeyframeCache, ManifestCache, delta_con
 from .._delta.predict import Predictor
 from .._parallel import pause_collector, resume_collector
 from .._vault import Vault
-from ..errors import SaveError, VaultError
 from ..handle import SaveHandle
 from ..info import info_from_manifest
 from ..options import AsyncOptions
@@ -42,7 +41,7 @@ from ..rules import CodecRules
 from .chain_level import level_writer
 from .chunks import write_chunks
 from .commit import build_manifest, commit
-from .inflight import InFlight
+from .inflight import InFlight, typed_error
 from .lossy import LossyBuffers, apply_lossy
 from .snapshot import Snapshot, take_snapshot
 from .staging import StagingBuffer
@@ -166,13 +165,7 @@ class Saver(InFlight):
         handle.committed.set_result(info_from_manifest(manifest))
         self._commit_keyframe_cache(request.step)
         self._keep_for_next_save(manifest)
-        if self.after_commit is not None:
-            try:
-                self.after_commit(request.step)
-            except BaseException as exc:  # noqa: BLE001 - kept for the next save, wait or close
-                log.error("after-commit step (retention) of step %d failed: %s", request.step, exc)
-                self.keep_error(typed_error(exc, f"step {request.step} was committed, but the retention that runs after it "
-                                              "failed"), None)
+        self.run_after_commit(self.after_commit, request.step)
 
     def _commit_keyframe_cache(self, step: int) -> None:
         """Fill the keyframe cache from committed keyframe ``step``'s chunks (if it was filling), on the vault's
@@ -211,26 +204,19 @@ class Saver(InFlight):
             forget_live(self)
 
 
-def typed_error(exc: BaseException, what: str) -> BaseException:
-    """``exc`` if it is one of ckptvault's errors (or not an Exception: KeyboardInterrupt, SystemExit), else a
-    :class:`SaveError` "``what``: Type: message" with ``exc`` as its cause: an unexpected failure (a store's own
-    exception, a codec bug, MemoryError) still reaches the caller as a typed error."""
-    if isinstance(exc, VaultError) or not isinstance(exc, Exception):
-        return exc
-    wrapped = SaveError(f"{what}: {type(exc).__name__}: {exc}")
-    wrapped.__cause__ = exc
-    return wrapped
+class _Closable(Protocol):
+    def close(self) -> None: ...
 
 
-_LIVE: weakref.WeakSet[InFlight] = weakref.WeakSet()
+_LIVE: weakref.WeakSet[_Closable] = weakref.WeakSet()
 
 
-def register_live(saver: InFlight) -> None:
+def register_live(saver: _Closable) -> None:
     """Have ``saver.close()`` called at interpreter exit (unless closed before; never in a forked child)."""
     _LIVE.add(saver)
 
 
-def forget_live(saver: InFlight) -> None:
+def forget_live(saver: _Closable) -> None:
     """Undo :func:`register_live` (at ``close``)."""
     _LIVE.discard(saver)
 
@@ -239,7 +225,7 @@ def _flush_at_exit() -> None:
     """At interpreter exit, finish saves in flight; report failures in the log."""
     for saver in list(_LIVE):
         try:
-            saver.close()  # type: ignore[attr-defined]
+            saver.close()
         except BaseException as exc:  # noqa: BLE001 - nobody is left to raise to
             log.error("a checkpoint save failed before exit: %s", exc)
 

@@ -41,8 +41,8 @@ from ..errors import InvalidArgumentError, SaveError
 from ..handle import SaveHandle
 from ..options import AsyncOptions
 from ..rules import CodecRules
-from .inflight import InFlight
-from .pipeline import SaveRequest, forget_live, register_live, typed_error
+from .inflight import InFlight, typed_error
+from .pipeline import SaveRequest, forget_live, register_live
 from .process_child import ChildConfig
 from .snapshot import Snapshot, take_snapshot
 from .staging import SharedStaging
@@ -259,7 +259,7 @@ class ProcessSaver(InFlight):
                 defer(message[1])
             elif kind == "committed":
                 handle.committed.set_result(message[1])
-                self._after_commit(request.step)
+                self.run_after_commit(self.after_commit, request.step)
             elif kind == "failed":
                 self.keep_error(message[1], handle)
                 handle.committed.set_exception(message[1])
@@ -268,16 +268,6 @@ class ProcessSaver(InFlight):
                     self.keep_error(message[1], None)
                 defer(message[2])
                 return
-
-    def _after_commit(self, step: int) -> None:
-        if self.after_commit is None:
-            return
-        try:
-            self.after_commit(step)
-        except BaseException as exc:  # noqa: BLE001 - kept for the next save, wait or close
-            log.error("after-commit step (retention) of step %d failed: %s", step, exc)
-            self.keep_error(typed_error(exc, f"step {step} was committed, but the retention that runs after it "
-                                             "failed"), None)
 
     def close(self) -> None:
         """Flush: wait for the save in flight, stop the saver process and the background thread, raise any
