@@ -33,12 +33,11 @@ from typing import Any
 import numpy as np
 
 from .._codecs.lossy import LossySafety
-from .._codecs.planes import load_if_worth_it, load_kernels_in_background, wait_for_kernel_loading
+from .._codecs.planes import load_kernels_in_background, wait_for_kernel_loading
 from .._delta.kernels import wait_for_fused_loading
 from .._delta.policy import DeltaPolicy
 from .._delta.predict import predictor_for
 from .._feedback import take_deferred
-from .._parallel import pause_collector, resume_collector
 from .._vault import Vault
 from ..errors import SaveError
 from ..handle import SaveHandle
@@ -122,8 +121,7 @@ def main(fd: int) -> None:
     try:
         vault = Vault(config.url, config.storage_options, config.workers)
         saver = Saver(vault, config.delta_policy, async_save=False, safety=config.safety,
-                      cache_keyframe=config.cache_keyframe, predictor=predictor_for(config.predict),
-                      after_commit=_after_commit)
+                      cache_keyframe=config.cache_keyframe, predictor=predictor_for(config.predict))
     except BaseException as exc:  # noqa: BLE001 - reported to the training process, which raises it
         channel.send(("broken", portable(exc)))
         return
@@ -136,10 +134,6 @@ def main(fd: int) -> None:
         vault.close()
         wait_for_kernel_loading()  # no thread left importing numba while the interpreter exits
         wait_for_fused_loading()
-
-
-def _after_commit(step: int) -> None:
-    load_if_worth_it()  # numba's byte-plane kernels, once this process has split enough bytes (planes.LOAD_AFTER)
 
 
 def _serve(conn: Connection, channel: _Channel, saver: Saver) -> None:
@@ -177,11 +171,7 @@ def _save(channel: _Channel, saver: Saver, staging: np.ndarray, request: SaveReq
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         handle.committed.add_done_callback(lambda done: _report(channel, done, caught))
-        pause_collector()
-        try:
-            saver._run(handle, request, snapshot)
-        finally:
-            resume_collector(run_due=True)
+        saver._complete(handle, request, snapshot)  # as a staged save's background task runs it
     handle.reported = True  # its failure went out with "failed": only an error after the commit is left
     try:
         saver.raise_pending()
