@@ -356,6 +356,36 @@ def test_a_convincing_first_candidate_ends_the_pairing_trial(tmp_path, monkeypat
         _assert_same(mgr.restore(3), saved[3])
 
 
+def test_the_last_pairing_is_tried_first_and_kept_where_it_matches_most_elements(tmp_path, monkeypatch):
+    """A parameter whose prediction misses a few of the trial elements (changed outside the step) is not paired
+    convincingly, so its first save tries every lookalike; the next save tries the array paired last time first
+    and keeps it on a 3/4 match, without trying the lookalikes again."""
+    from ckptvault._delta import predict as predict_module
+
+    trials = []
+    real = predict_module.predict
+    monkeypatch.setattr(predict_module, "predict", lambda op, *rest: trials.append(op) or real(op, *rest))
+    torch.manual_seed(0)
+    weight = torch.nn.Parameter(torch.randn(4096))
+    lookalikes = {"b": torch.randn(4096), "c": torch.randn(4096)}  # same shape, after it in state order
+    opt = torch.optim.SGD([weight], lr=0.1, momentum=0.9)
+    saved = {}
+    with CheckpointManager(tmp_path / "v", async_save=False, delta=DeltaOptions(predict=True)) as mgr:
+        for step in (1, 2, 3):
+            (weight * torch.randn(weight.shape)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            with torch.no_grad():
+                weight[:20] = 0.5  # 236 of the 256 trial elements are still predicted exactly
+            saved[step] = copy.deepcopy({"model": {"a": weight.detach(), **lookalikes}, "optimizer": opt.state_dict()})
+            mgr.save(step, saved[step])
+            record = next(t for t in mgr.manifest(step)["tensors"] if t["path"] == "model.a")
+            if step > 1:
+                assert [i[2] for i in record["predict"]["inputs"] if i[0] == "p0"] == ["model.a"]
+        assert trials == ["sgd-param-1"] * 3 + ["sgd-param-1"]  # step 2 tries all three arrays, step 3 one
+        _assert_same(mgr.restore(3), saved[3])
+
+
 def test_blocks_whose_prediction_does_not_pay_are_stored_as_they_are(tmp_path):
     """A parameter changed outside the optimizer step in one block (reset to a constant) keeps that block raw
     (``raw_blocks``); the other blocks stay predicted, and the restore is exact."""

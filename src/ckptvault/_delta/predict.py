@@ -61,6 +61,8 @@ class Predictor:
     _kept: _Kept | None = None
     _pending: tuple[int, list[memoryview], dict[tuple[str, int], ParamSlot], list[ArrayRecord]] | None = None
     _buffers: dict[str, np.ndarray] = field(default_factory=dict)
+    #: the model array each optimizer parameter was paired with at the last prediction, tried first the next time
+    _pairings: dict[tuple[str, int], str] = field(default_factory=dict)
 
     def apply(self, snapshot: Snapshot, latest: Manifest | None, step: int, block: int,
               pool: ThreadPoolExecutor | None = None) -> Snapshot:
@@ -77,7 +79,7 @@ class Predictor:
             log.warning("step %d is saved without predictions: %s", step, exc)
             return snapshot
         current = {r.path: flat_array(snapshot.views[i], r.dtype) for i, r in enumerate(snapshot.records)}
-        plans = _plans(snapshot, slots, kept, latest, current)
+        plans = _plans(snapshot, slots, kept, latest, current, self._pairings)
         return self._residuals(snapshot, plans, kept, current, latest.step, block, pool) if plans else snapshot
 
     def _residuals(self, snapshot: Snapshot, plans: list[_Plan], kept: _Kept, current: dict[str, np.ndarray],
@@ -142,9 +144,10 @@ class Predictor:
 
 
 def _plans(snapshot: Snapshot, slots: dict[tuple[str, int], ParamSlot], kept: _Kept, latest: Manifest,
-           current: dict[str, np.ndarray]) -> list[_Plan]:
+           current: dict[str, np.ndarray], pairings: dict[tuple[str, int], str]) -> list[_Plan]:
     """The predictions to try, per parameter: second moments, first moments, AMSGrad maxima, then the parameter
-    (which reads its step's moments; :meth:`Predictor._residuals` relies on this order to reuse kept arrays)."""
+    (which reads its step's moments; :meth:`Predictor._residuals` relies on this order to reuse kept arrays).
+    ``pairings``: each parameter's model array at the last prediction, tried first; updated with this one's."""
     records = snapshot.records
     previous = {t.path: t for t in latest.tensors}
     usable = {r.path for r in records if r.lossy is None or not r.lossy.is_lossy}
@@ -171,8 +174,9 @@ def _plans(snapshot: Snapshot, slots: dict[tuple[str, int], ParamSlot], kept: _K
         found = make(slot, before, paths, candidates[0] if candidates else None, dtype)
         if found and found[-1][1] in PARAMETER_OPS:
             if len(candidates) > 1:
-                found[-1] = _best_pairing(found[-1], candidates, current, kept)
+                found[-1] = _best_pairing(found[-1], candidates, current, kept, pairings.get(key))
             chosen.add(found[-1][0])
+            pairings[key] = found[-1][0]
         plans.extend(_Plan(index[path], op, inputs, scalars) for path, op, inputs, scalars in found)
     return plans
 
@@ -183,14 +187,23 @@ TRIAL = 256
 #: a candidate whose prediction matches this many of the TRIAL elements is taken without trying the others: only
 #: an array equal to it on those elements could match as well (the rest differ in a few last bits, from sqrt)
 CONVINCING = TRIAL - TRIAL // 32
+#: the array a parameter was paired with last time is taken again without trying others if its prediction matches
+#: this fraction of the trial elements: another array matches only where it equals that one (a parameter's pairing
+#: does not change between steps; small arrays, such as biases, match fewer than CONVINCING in their last bits)
+LIKELY = 0.75
 
 
 def _best_pairing(plan: tuple[str, str, tuple[PredictInput, ...], dict[str, float]], candidates: list[str],
-                  current: dict[str, np.ndarray], kept: _Kept) -> tuple[str, str, tuple[PredictInput, ...], dict[str, float]]:
-    """The parameter plan for whichever candidate array its prediction matches best on the first elements."""
+                  current: dict[str, np.ndarray], kept: _Kept, last: str | None = None
+                  ) -> tuple[str, str, tuple[PredictInput, ...], dict[str, float]]:
+    """The parameter plan for whichever candidate array its prediction matches best on the first elements;
+    ``last``, the array paired the last time, is tried first. A pairing only decides how well the parameter
+    compresses: restore recomputes the prediction the manifest names, whichever array that is."""
     _path, op, inputs, scalars = plan
     moments = {i.path for i in inputs if i.role != "p0"}
     trial = {i.role: (current if i.level == 0 else kept.arrays)[i.path][:TRIAL] for i in inputs if i.role != "p0"}
+    if last in candidates:
+        candidates = [last, *(c for c in candidates if c != last)]
     scores = []
     for candidate in candidates:
         if candidate in moments:
@@ -198,7 +211,8 @@ def _best_pairing(plan: tuple[str, str, tuple[PredictInput, ...], dict[str, floa
             continue
         trial["p0"] = kept.arrays[candidate][:TRIAL]
         scores.append(int(np.count_nonzero(predict(op, trial, scalars) == current[candidate][:TRIAL])))
-        if scores[-1] >= min(CONVINCING, len(trial["p0"])):
+        size = len(trial["p0"])
+        if scores[-1] >= min(CONVINCING, size) or (candidate == last and scores[-1] >= LIKELY * size):
             break
     best = candidates[scores.index(max(scores))]
     return best, op, tuple(PredictInput(i.role, i.level, best) if i.role == "p0" else i for i in inputs), scalars
