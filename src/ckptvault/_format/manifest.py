@@ -20,6 +20,7 @@ from typing import Any
 import blake3
 
 from ..errors import CorruptManifestError
+from . import jsontext
 from .keys import step_of_manifest_key
 from .records import Manifest
 from .schema import MAX_CHUNK_SIZE, check_manifest
@@ -40,22 +41,24 @@ def step_of_key(key: str) -> int | None:
 
 
 def encode_manifest(body: dict[str, Any] | Manifest) -> bytes:
-    """Serialise a manifest (or a manifest body, as JSON) with its checksum."""
+    """Serialise a manifest (or a manifest body, as JSON) with its checksum. Both give the same bytes for the same
+    manifest. ValueError for a body with a non-finite float (manifests are strict JSON)."""
     if isinstance(body, Manifest):
-        data = _manifest_text(body).encode()
-    else:
-        data = json.dumps(body, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
+        data = _manifest_text(body)
+    else:  # a body made by hand (tools, tests): checked as a Manifest's fields are where they are made
+        json.dumps(body, allow_nan=False)
+        data = jsontext.dumps(body)
     digest = blake3.blake3(data).hexdigest().encode()
     return b"".join((_PREFIX, digest, _MIDDLE, data, b"}"))
 
 
-def _manifest_text(manifest: Manifest) -> str:
-    """``json.dumps`` of ``manifest.to_json()``, its restore chain (the last field) spliced in from each level's
-    text made once (a chain passes from manifest to manifest and grows with it)."""
-    head = json.dumps(manifest.to_json(chain=False), separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+def _manifest_text(manifest: Manifest) -> bytes:
+    """The JSON of ``manifest.to_json()``, its restore chain (the last field) spliced in from each level's text made
+    once (a chain passes from manifest to manifest and grows with it)."""
+    head = jsontext.dumps(manifest.to_json(chain=False))
     if not manifest.chain:
         return head
-    return f'{head[:-1]},"chain":[{",".join(level.json_text for level in manifest.chain)}]}}'
+    return b"".join((head[:-1], b',"chain":[', b",".join(level.json_text for level in manifest.chain), b"]}"))
 
 
 def decode_manifest(data: bytes, where: str, step: int | None = None,

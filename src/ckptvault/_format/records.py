@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import copy
 import functools
-import json
 import math
 from dataclasses import dataclass, field
 from typing import Any
+
+from . import jsontext
 
 #: a state's JSON skeleton (_tree.py); checked node by node by the schema, kept as JSON
 Node = dict[str, Any]
@@ -121,6 +122,8 @@ class PredictInfo:
     raw_blocks: tuple[int, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
+        if not all(math.isfinite(c) for c in self.scalars.values()):  # strict JSON (jsontext.py writes no NaN)
+            raise ValueError(f"prediction scalars must be finite, got {self.scalars}")
         return {"op": self.op, "inputs": [i.to_json() for i in self.inputs], "scalars": dict(self.scalars),
                 "digest": self.digest, "block": self.block, "from_step": self.from_step,
                 "raw_blocks": list(self.raw_blocks)}
@@ -212,14 +215,14 @@ class ChainLevel:
         return {"step": self.step, "tensors": [t.to_json() for t in self.records]}
 
     @functools.cached_property
-    def json_text(self) -> str:
+    def json_text(self) -> bytes:
         """The level as the manifest writes it (``_format/manifest.py``), made once."""
-        return json.dumps(self._json, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+        return jsontext.dumps(self._json)
 
     @functools.cached_property
-    def body_text(self) -> str:
+    def body_text(self) -> bytes:
         """The level with its records, as its chunks hold it (and as a manifest holds an inline level)."""
-        return json.dumps(self._body, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+        return jsontext.dumps(self._body)
 
 
 @dataclass(frozen=True)

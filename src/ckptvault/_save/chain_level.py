@@ -34,7 +34,7 @@ def level_writer(vault: Vault, batch: WriteBatch, guard: ManifestGuard) -> Store
     until the commit, as a reused chunk of the state is."""
 
     def store(level: ChainLevel) -> list[ChunkRef]:
-        data = memoryview(level.body_text.encode())
+        data = memoryview(level.body_text)
         size = vault.chunk_size()
         return [_write(vault, batch, guard, data[start: start + size]) for start in range(0, len(data), size)]
 
