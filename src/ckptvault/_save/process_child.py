@@ -17,6 +17,7 @@ when it stops, and when that process is gone (end of file on the socket) it fini
 
 from __future__ import annotations
 
+import gc
 import logging
 import mmap
 import os
@@ -33,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from .._codecs.lossy import LossySafety
-from .._codecs.planes import load_kernels_in_background, wait_for_kernel_loading
+from .._codecs.planes import kernels_ready, load_kernels_in_background, wait_for_kernel_loading
 from .._delta.kernels import wait_for_fused_loading
 from .._delta.policy import DeltaPolicy
 from .._delta.predict import predictor_for
@@ -136,8 +137,20 @@ def main(fd: int) -> None:
         wait_for_fused_loading()
 
 
+def _freeze_once_loaded() -> bool:
+    """Once the kernels are loaded, move every object this process holds into the cycle collector's permanent
+    generation (``gc.freeze``): what imports and kernels made lives as long as the process, so the full collections
+    that saves make due walk only the saves' own objects. Returns whether it froze."""
+    if not kernels_ready():
+        return False
+    gc.collect()
+    gc.freeze()
+    return True
+
+
 def _serve(conn: Connection, channel: _Channel, saver: Saver) -> None:
     staging: dict[int, np.ndarray] = {}  # slot -> that staging buffer's bytes
+    frozen = False
     while True:
         try:
             message = conn.recv()
@@ -148,6 +161,7 @@ def _serve(conn: Connection, channel: _Channel, saver: Saver) -> None:
         if message[0] == "staging":
             staging[message[1]] = _map(recv_handle(conn), message[2])
         elif message[0] == "save":
+            frozen = frozen or _freeze_once_loaded()
             _save(channel, saver, staging[message[1]], *message[2:])
 
 
