@@ -96,7 +96,8 @@ def apply_lossy(snapshot: Snapshot, policy: LossySafety, default_lossless: str, 
     for index, record in enumerate(snapshot.records):
         spec, lossless = parse_codec(record.codec, default_lossless)
         if spec is None or record.kind != "torch" or not applies_to(spec, torch_dtype(record.dtype)):
-            records[index] = replace(record, codec=lossless)
+            if record.codec != lossless:  # a replace() per record of a lossless state cost more than the rest
+                records[index] = replace(record, codec=lossless)
             continue
         base_entry = _residual_base(vault, keyframe, record) if spec.kind == "residual-int8" else None
         if spec.kind == "residual-int8" and base_entry is None:
@@ -110,9 +111,11 @@ def apply_lossy(snapshot: Snapshot, policy: LossySafety, default_lossless: str, 
         alloc = fresh if buffers is None else buffers.allocator(records[index].path)
         return encode_safely(records[index].path, original, spec, policy, base_entry.value if base_entry else None, alloc)
 
-    results = map_all(vault.pool, encode_one, jobs)
+    results = map_all(vault.pool, encode_one, jobs) if jobs else []
     if buffers is not None:
         buffers.release_unused()
+    if not jobs:
+        return replace(snapshot, records=records)
     extra_records: list[ArrayRecord] = []
     extra_views: list[memoryview] = []
     for (index, spec, lossless, base_entry), (encoded, notes) in zip(jobs, results, strict=True):
