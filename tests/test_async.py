@@ -582,6 +582,42 @@ def mixed_state() -> dict[str, Any]:
     }
 
 
+def _overwrite(value: Any) -> None:
+    """Write other values into every array of a state, in place (through the views it holds)."""
+    if isinstance(value, torch.Tensor):
+        if value.numel():
+            target = value._neg_view() if value.is_neg() else value.conj() if value.is_conj() else value
+            target.copy_(torch.full_like(target, 7))
+    elif isinstance(value, np.ndarray):
+        value[...] = 7
+    elif isinstance(value, dict):
+        for child in value.values():
+            _overwrite(child)
+    elif isinstance(value, list):
+        for child in value:
+            _overwrite(child)
+
+
+def test_a_staged_save_keeps_the_values_of_save_time_whatever_the_state_does_next(tmp_path: Path) -> None:
+    """Every staging path (views with an offset, odd strides, conj and neg bits, tensors over the parallel-copy
+    size) copies the bytes of save() time: the state overwritten while the save is held is not what is stored."""
+    base = torch.arange(4000, dtype=torch.float32)
+    state = {**mixed_state(), "offset": base[7:1007], "odd_stride": base[::2][:1],
+             "large": torch.randn(600_000), "u8": torch.arange(255, dtype=torch.uint8)}
+    expected = copy.deepcopy(state)
+    store = GatedStore(tmp_path / "vault")
+    with manager(store) as mgr:
+        handle = mgr.save(1, state)
+        try:
+            assert handle.staged.done() and store.blocked.wait(10)
+            _overwrite(state)
+            assert state["large"][0].item() == 7 and state["offset"][0].item() == 7
+        finally:
+            store.gate.set()
+        handle.wait(timeout=60)
+    assert_same_state(expected, restored(tmp_path / "vault", 1))
+
+
 def test_async_and_sync_saves_write_identical_manifests(tmp_path: Path) -> None:
     state = mixed_state()
     manifests = {}

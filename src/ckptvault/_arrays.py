@@ -53,7 +53,7 @@ def host_contiguous(t: torch.Tensor) -> torch.Tensor:
 
 def plain_cpu(t: torch.Tensor) -> bool:
     """A CPU tensor whose memory holds exactly its values in C order (no conj/neg bit to resolve)."""
-    return t.device.type == "cpu" and t.is_contiguous() and not t.is_conj() and not t.is_neg()
+    return t.is_cpu and t.is_contiguous() and not t.is_conj() and not t.is_neg()
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:

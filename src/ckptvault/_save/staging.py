@@ -15,6 +15,7 @@ the file descriptor it is sent (``_save/process.py``).
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import mmap
 import os
@@ -29,7 +30,7 @@ from .._arrays import ndarray_bytes, plain_cpu, tensor_bytes
 log = logging.getLogger(__name__)
 
 ALIGN = 64
-#: CPU tensors from this size on are copied by torch on its intra-op threads, smaller ones by numpy in this thread:
+#: CPU tensors from this size on are copied by torch on its intra-op threads, smaller ones byte by byte in this thread:
 #: waking the intra-op threads costs more than copying a small tensor, and far more when they sleep between ops
 PARALLEL_COPY = 1 << 20
 
@@ -80,6 +81,7 @@ class StagingBuffer:
         offsets, total = aligned_offsets(sizes)
         buffer = self.acquire(total, pinned=any(kind == "torch" and value.device.type == "cuda" for kind, value in values))
         flat = buffer.numpy()
+        start = buffer.data_ptr()
         gpus: set[torch.device] = set()
         views = []
         for (kind, value), offset, size in zip(values, offsets, sizes, strict=True):
@@ -88,11 +90,11 @@ class StagingBuffer:
                 continue
             region = flat[offset : offset + size]
             if kind == "torch" and plain_cpu(value):  # as bytes: uint1..7/int1..7 have no copy kernel
-                source = np.frombuffer(tensor_bytes(value.detach()), dtype=np.uint8)
-                if size >= PARALLEL_COPY:  # faster than np.copyto when other processes load the CPU
+                if size >= PARALLEL_COPY:  # faster than a plain copy when other processes load the CPU
+                    source = np.frombuffer(tensor_bytes(value.detach()), dtype=np.uint8)
                     torch.from_numpy(region).copy_(torch.from_numpy(source))
-                else:
-                    np.copyto(region, source)
+                else:  # its memory holds exactly its bytes: copied from there, without making views of it
+                    ctypes.memmove(start + offset, value.data_ptr(), size)
             elif kind == "torch":
                 target = buffer[offset : offset + size].view(value.dtype).view(value.shape)
                 cuda = value.device.type == "cuda"
