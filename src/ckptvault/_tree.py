@@ -138,7 +138,7 @@ class Flattener:
         return node
 
     def _tensor(self, t: torch.Tensor, path: str) -> Node:
-        if t.layout != torch.strided or t.is_quantized or t.is_nested or t.device.type == "meta":
+        if t.layout != torch.strided or t.is_quantized or t.is_nested or t.is_meta:
             return self._fallback(t, path, "Only dense (strided) tensors with data are stored natively.")
         key = (t.untyped_storage().data_ptr(), t.device, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype,
                t.is_conj(), t.is_neg())  # a conj/neg view shares storage and strides but not values

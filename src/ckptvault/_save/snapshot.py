@@ -101,10 +101,10 @@ def _nbytes(leaf: Leaf) -> int:
 def _record(leaf: Leaf, rules: CodecRules) -> ArrayRecord:
     value = leaf.value
     if leaf.kind == "torch":
-        grad = isinstance(value, torch.nn.Parameter) and value.requires_grad
-        return ArrayRecord(leaf.path, "torch", torch_dtype_name(value.dtype), list(value.shape), _nbytes(leaf),
-                           value.dtype.itemsize, rules.codec_for(leaf.path, torch_dtype_name(value.dtype)), grad,
-                           str(value.device))
+        grad = value.requires_grad and isinstance(value, torch.nn.Parameter)  # the cheap test first
+        dtype = torch_dtype_name(value.dtype)
+        return ArrayRecord(leaf.path, "torch", dtype, list(value.shape), _nbytes(leaf), value.dtype.itemsize,
+                           rules.codec_for(leaf.path, dtype), grad, "cpu" if value.is_cpu else str(value.device))
     codec = rules.codec_for(leaf.path, value.dtype.str) if leaf.kind == "numpy" else "zstd"
     return ArrayRecord(leaf.path, leaf.kind, value.dtype.str, list(value.shape), value.nbytes,
                        value.dtype.itemsize, codec)
