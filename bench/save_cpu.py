@@ -134,12 +134,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--mode", choices=tuple(MODES), default="sync")
     parser.add_argument("--pairs", type=int, default=4, help="processes of each side, alternating (default 4)")
-    parser.add_argument("--base-src", type=Path, required=True, help="the src folder of the code to compare with")
+    parser.add_argument("--base-src", type=Path, help="the src folder of the code to compare with (required)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         child_main(args.mode)
         return
+    if args.base_src is None:
+        parser.error("--base-src is required")
     (ROOT / "bench" / "out").mkdir(parents=True, exist_ok=True)
     sides = {"base": args.base_src.resolve(), "this": ROOT / "src"}
     results: dict[str, list[dict[str, float]]] = {name: [] for name in sides}
