@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 import platform
 import shutil
@@ -54,6 +55,19 @@ def timed(fn: Callable[[], Any], timing: Timing, cold: bool) -> Any:
     timing.wall.append(time.perf_counter() - wall0)
     timing.cpu.append(time.process_time() - cpu0)
     return result
+
+
+def copy_state(value: Any) -> Any:
+    """A deep copy of a training state: tensors cloned (detached), containers rebuilt, anything else deep-copied."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, dict):
+        return type(value)((k, copy_state(v)) for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return type(value)(copy_state(v) for v in value)
+    return copy.deepcopy(value)
 
 
 def fresh_dir(path: Path) -> Path:

@@ -23,7 +23,6 @@ Throughput is the alone time over the variant's time. Results: stdout (markdown)
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import multiprocessing
 import os
@@ -33,7 +32,6 @@ import sys
 import time
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # read by libgomp when torch loads
 
@@ -43,21 +41,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from ckptvault import CheckpointManager, DeltaOptions  # noqa: E402
 from ckptvault.demo.train import TrainConfig, Trainer  # noqa: E402
-from common import fresh_dir, machine  # noqa: E402
+from common import copy_state, fresh_dir, machine  # noqa: E402
 from workloads import OUT_DIR  # noqa: E402
 
 DELTA = {"predict": True, "keyframe_every": 20, "max_chain": 19}
 SPIN = "while True:\n    pass\n"
-
-
-def _copy(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.detach().clone()
-    if isinstance(value, dict):
-        return type(value)((k, _copy(v)) for k, v in value.items())
-    if isinstance(value, (list, tuple)):
-        return type(value)(_copy(v) for v in value)
-    return copy.deepcopy(value)
 
 
 def _idle() -> None:
@@ -73,7 +61,7 @@ def saver(conn: Connection, vault: str, steps: int, idle: bool) -> None:
     states = []
     for _ in range(steps + 3):
         trainer.train_step()
-        states.append((trainer.step, _copy(trainer.state())))
+        states.append((trainer.step, copy_state(trainer.state())))
     with CheckpointManager(vault, async_save=False, delta=DeltaOptions(**DELTA)) as mgr:
         for step, state in states[:3]:
             mgr.save(step, state)

@@ -24,7 +24,6 @@ Prints one line per process and the medians of each side. ``OMP_WAIT_POLICY=PASS
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import os
 import statistics
@@ -33,23 +32,14 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+
+from common import copy_state  # noqa: E402
+
 DELTA = {"predict": True, "keyframe_every": 20, "max_chain": 19}
 STEPS = 60
-
-
-def _copy(value: Any) -> Any:
-    import torch
-
-    if isinstance(value, torch.Tensor):
-        return value.detach().clone()
-    if isinstance(value, dict):
-        return type(value)((k, _copy(v)) for k, v in value.items())
-    if isinstance(value, (list, tuple)):
-        return type(value)(_copy(v) for v in value)
-    return copy.deepcopy(value)
 
 
 def run_sync(work: Path) -> dict[str, float]:
@@ -61,7 +51,7 @@ def run_sync(work: Path) -> dict[str, float]:
     states = []
     for _ in range(STEPS + 2):
         trainer.train_step()
-        states.append((trainer.step, _copy(trainer.state())))
+        states.append((trainer.step, copy_state(trainer.state())))
     load_kernels_in_background()
     wait_for_kernel_loading()
     with CheckpointManager(work, async_save=False, delta=DeltaOptions(**DELTA)) as mgr:
