@@ -23,8 +23,9 @@ log = logging.getLogger(__name__)
 class InFlight:
     """The save in flight (its handle and task), its thread, and the error of a failed save kept for the caller."""
 
-    def __init__(self, thread_name: str) -> None:
+    def __init__(self, thread_name: str, after_commit: Callable[[int], None] | None = None) -> None:
         self._thread_name = thread_name
+        self.after_commit = after_commit  # run after each commit (retention): run_after_commit
         self._executor: ThreadPoolExecutor | None = None
         self._inflight: SaveHandle | None = None
         self._task: Future[None] | None = None
@@ -43,10 +44,14 @@ class InFlight:
 
     def start(self, handle: SaveHandle, task: Callable[..., None], *args: Any) -> None:
         """Run ``task(*args)`` (which never raises) on the background thread as the save of ``handle``."""
+        self._inflight = handle
+        self._task = self.submit_task(task, *args)
+
+    def submit_task(self, task: Callable[..., None], *args: Any) -> Future[None]:
+        """Queue ``task(*args)`` on the background thread (started on first use); tasks run in order."""
         if self._executor is None:
             self._executor = ThreadPoolExecutor(1, thread_name_prefix=self._thread_name)
-        self._inflight = handle
-        self._task = self._executor.submit(task, *args)
+        return self._executor.submit(task, *args)
 
     def wait_inflight(self) -> None:
         """Wait for the whole background task (the commit and what runs after it)."""
@@ -56,13 +61,13 @@ class InFlight:
             self._task = None
         self._inflight = None
 
-    def run_after_commit(self, after_commit: Callable[[int], None] | None, step: int) -> None:
+    def run_after_commit(self, step: int) -> None:
         """Run the after-commit hook (retention) of committed ``step``; its failure is logged and kept with
         :meth:`keep_error` for the next save, wait or close, as the commit stands."""
-        if after_commit is None:
+        if self.after_commit is None:
             return
         try:
-            after_commit(step)
+            self.after_commit(step)
         except BaseException as exc:  # noqa: BLE001 - kept for the next save, wait or close
             log.error("after-commit step (retention) of step %d failed: %s", step, exc)
             self.keep_error(typed_error(exc, f"step {step} was committed, but the retention that runs after it failed"),

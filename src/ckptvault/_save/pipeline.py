@@ -70,12 +70,11 @@ class Saver(InFlight):
                  predictor: Predictor | None = None) -> None:
         check_kind("async_save", async_save, bool)
         check_kind("cache_keyframe", cache_keyframe, bool, type(None))
-        super().__init__("ckptvault-save")
+        super().__init__("ckptvault-save", after_commit)
         async_options = async_options or AsyncOptions()
         self.vault, self.delta_policy = vault, delta_policy
         self.async_save, self.on_busy = async_save, async_options.on_busy
         self.max_staging_bytes = async_options.max_staging_bytes
-        self.after_commit = after_commit
         self.safety = safety or LossySafety()
         self._staging = StagingBuffer()
         self._lossy_buffers = LossyBuffers()  # with the staging buffer: asynchronous saves reuse their memory
@@ -165,7 +164,7 @@ class Saver(InFlight):
         handle.committed.set_result(info_from_manifest(manifest))
         self._commit_keyframe_cache(request.step)
         self._keep_for_next_save(manifest)
-        self.run_after_commit(self.after_commit, request.step)
+        self.run_after_commit(request.step)
 
     def _commit_keyframe_cache(self, step: int) -> None:
         """Fill the keyframe cache from committed keyframe ``step``'s chunks (if it was filling), on the vault's

@@ -29,7 +29,7 @@ import sys
 import warnings
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import send_handle
@@ -111,11 +111,10 @@ class ProcessSaver(InFlight):
 
     def __init__(self, config: ChildConfig, async_options: AsyncOptions,
                  after_commit: Callable[[int], None] | None = None) -> None:
-        super().__init__("ckptvault-save")
+        super().__init__("ckptvault-save", after_commit)
         check_process_saver(async_options.saver, config.url)
         self.config, self.idle = config, async_options.saver == "idle-process"
         self.on_busy, self.max_staging_bytes = async_options.on_busy, async_options.max_staging_bytes
-        self.after_commit = after_commit
         try:
             pickle.dumps(config)
         except Exception as exc:  # noqa: BLE001 - any failure to pickle means: these settings cannot be sent
@@ -171,9 +170,7 @@ class ProcessSaver(InFlight):
             handle = SaveHandle(request.step)
             child = self._send(request, snapshot, slot)  # now: the saver process holds it, whatever happens here
             handle.staged.set_result(None)
-            if self._executor is None:
-                self._executor = ThreadPoolExecutor(1, thread_name_prefix=self._thread_name)
-            task = self._executor.submit(self._complete, handle, request, child)
+            task = self.submit_task(self._complete, handle, request, child)
             self._queue.append(_Queued(handle, task, slot))
         finally:
             resume_collector()
@@ -259,7 +256,7 @@ class ProcessSaver(InFlight):
                 defer(message[1])
             elif kind == "committed":
                 handle.committed.set_result(message[1])
-                self.run_after_commit(self.after_commit, request.step)
+                self.run_after_commit(request.step)
             elif kind == "failed":
                 self.keep_error(message[1], handle)
                 handle.committed.set_exception(message[1])
