@@ -111,11 +111,9 @@ def apply_lossy(snapshot: Snapshot, policy: LossySafety, default_lossless: str, 
         alloc = fresh if buffers is None else buffers.allocator(records[index].path)
         return encode_safely(records[index].path, original, spec, policy, base_entry.value if base_entry else None, alloc)
 
-    results = map_all(vault.pool, encode_one, jobs) if jobs else []
+    results = map_all(vault.pool, encode_one, jobs)
     if buffers is not None:
         buffers.release_unused()
-    if not jobs:
-        return replace(snapshot, records=records)
     extra_records: list[ArrayRecord] = []
     extra_views: list[memoryview] = []
     for (index, spec, lossless, base_entry), (encoded, notes) in zip(jobs, results, strict=True):
