@@ -57,6 +57,12 @@ def timed(fn: Callable[[], Any], timing: Timing, cold: bool) -> Any:
     return result
 
 
+def process_cpu(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far (Linux, ``/proc/PID/stat``)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def copy_state(value: Any) -> Any:
     """A deep copy of a training state: tensors cloned (detached), containers rebuilt, anything else deep-copied."""
     import torch

@@ -54,18 +54,14 @@ from ckptvault import CheckpointManager  # noqa: E402
 from ckptvault.errors import ObjectNotFoundError  # noqa: E402
 from ckptvault.stores import open_store  # noqa: E402
 from ckptvault.stores.s3 import S3Store  # noqa: E402
+from common import process_cpu  # noqa: E402
 
 MIB16 = 16 << 20
 
 
 def server_cpu(pids: list[int]) -> float:
     """User + system CPU seconds of the gateway's daemons so far."""
-    total = 0
-    for pid in pids:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        total += int(fields[11]) + int(fields[12])
-    return total / os.sysconf("SC_CLK_TCK")
+    return sum(process_cpu(pid) for pid in pids)
 
 
 def measured(pids: list[int], fn: Callable[[], Any]) -> tuple[float, float, float]:

@@ -36,7 +36,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 
-from common import copy_state  # noqa: E402
+from common import copy_state, process_cpu  # noqa: E402
 
 DELTA = {"predict": True, "keyframe_every": 20, "max_chain": 19}
 STEPS = 60
@@ -64,11 +64,6 @@ def run_sync(work: Path) -> dict[str, float]:
     return {"wall_ms": wall / STEPS * 1e3, "cpu_ms": cpu / STEPS * 1e3}
 
 
-def _process_cpu(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def run_process(work: Path) -> dict[str, float]:
     from ckptvault import AsyncOptions, CheckpointManager, DeltaOptions
     from ckptvault.demo.train import TrainConfig, Trainer
@@ -82,12 +77,12 @@ def run_process(work: Path) -> dict[str, float]:
         time.sleep(3)  # the saver process loads its kernels
         pid = mgr._saver.pid  # noqa: SLF001 - the saver process's CPU is what is measured
         assert pid is not None
-        child, wall, cpu = _process_cpu(pid), time.perf_counter(), time.process_time()
+        child, wall, cpu = process_cpu(pid), time.perf_counter(), time.process_time()
         for _ in range(STEPS):
             trainer.train_step()
             mgr.save(trainer.step, trainer.state())
         mgr.wait()
-        child = _process_cpu(pid) - child
+        child = process_cpu(pid) - child
         wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     return {"train_s": wall, "train_cpu_s": cpu, "saver_cpu_ms": child / STEPS * 1e3}
 
