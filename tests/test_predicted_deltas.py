@@ -197,7 +197,7 @@ def test_a_prediction_that_differs_fails_the_restore_loudly(tmp_path):
         record = next(t for t in body["tensors"] if t.get("predict", {}).get("op") == "adam-param-1")
         record["predict"]["scalars"]["eps"] *= 2  # a well-formed manifest whose prediction no longer matches
         mgr.vault.store.put(manifest_key(3), encode_manifest(body))
-        with pytest.raises(PredictionError, match=r"step 3: '.*', stored as the XOR with its prediction \(adam-param-1\) "
+        with pytest.raises(PredictionError, match=r"step 3: '.*', stored as the residual against its prediction \(adam-param-1\) "
                                                   r"from step 2, does not restore to the bytes it was saved with"):
             mgr.restore(3)
         _assert_same(mgr.restore(2), saved[2])  # the step it was predicted from is untouched
@@ -241,7 +241,37 @@ def test_the_manifest_declares_predictions_and_their_chain(tmp_path):
         assert [level["step"] for level in body["chain"]] == [2, 1]
         record = next(t for t in body["tensors"] if t.get("predict", {}).get("op") == "adam-sq-1")
         assert [i[1] for i in record["predict"]["inputs"]] == [1, 1, 0]
+        assert {t["predict"].get("residual") for t in body["tensors"] if "predict" in t} == {"diff"}
+        assert "residual-diff" in body["requires"]
         json.dumps(body)  # plain JSON
+
+
+def test_a_chain_of_xor_and_diff_residuals_restores_bit_exact(tmp_path, monkeypatch):
+    """Checkpoints written with XOR residuals (as before the difference existed) stay readable, and a chain whose
+    deeper levels are XORs and whose later ones are differences restores every step exactly, streamed or not."""
+    from ckptvault._delta import predict as predict_module
+
+    model = _model(width=128)  # the embedding's arrays span two chunks: they stream
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    saved = {}
+    with CheckpointManager(tmp_path / "v", async_save=False, chunk_size=64 << 10,
+                           delta=DeltaOptions(predict=True, max_chain=10)) as mgr:
+        for step in range(1, 7):
+            monkeypatch.setattr(predict_module, "RESIDUAL", "xor" if step <= 3 else "diff")
+            model(torch.arange(8)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            saved[step] = copy.deepcopy({"model": model.state_dict(), "optimizer": opt.state_dict()})
+            mgr.save(step, saved[step])
+        forms = {step: {t["predict"].get("residual", "xor") for t in mgr.manifest(step)["tensors"] if "predict" in t}
+                 for step in saved}
+        assert forms == {1: set(), 2: {"xor"}, 3: {"xor"}, 4: {"diff"}, 5: {"diff"}, 6: {"diff"}}
+        assert ["residual-diff" in mgr.manifest(step).get("requires", []) for step in saved] == [False] * 3 + [True] * 3
+        assert len(mgr.manifest(6)["chain"]) == 5
+    with CheckpointManager(tmp_path / "v") as fresh:
+        for step in saved:
+            _assert_same(fresh.restore(step), saved[step])
+        assert fresh.verify().ok
 
 
 @pytest.mark.parametrize(("options", "error", "message"), [
@@ -491,7 +521,7 @@ def test_a_streamed_prediction_that_differs_fails_the_restore_loudly(tmp_path, s
         record = next(t for t in body["tensors"] if t["path"] == "model.0.weight")
         record["predict"]["scalars"]["eps"] *= 2
         mgr.vault.store.put(manifest_key(3), encode_manifest(body))
-        with pytest.raises(PredictionError, match=r"step 3: 'model.0.weight', stored as the XOR with its prediction "
+        with pytest.raises(PredictionError, match=r"step 3: 'model.0.weight', stored as the residual against its prediction "
                                                   r"\(adam-param-1\) from step 2, does not restore to the bytes"):
             mgr.restore(3)
         assert streamed_families
@@ -761,6 +791,12 @@ def _first_predicted(body: dict, op: str = "adam-sq-1") -> dict:
      r"predict is on a record of dtype int32; predictions are only of float32, float64"),
     (lambda b: b["requires"].remove("predicted"), CorruptManifestError,
      r"field requires does not name 'predicted', but records are predicted"),
+    (lambda b: _first_predicted(b)["predict"].update(residual="rle"), CorruptManifestError,
+     r"predict\.residual is 'rle', not one of the residuals format version 1 defines \(xor, diff\)"),
+    (lambda b: _first_predicted(b)["predict"].update(residual=2), CorruptManifestError,
+     r"predict\.residual must be a string, not"),
+    (lambda b: b["requires"].remove("residual-diff"), CorruptManifestError,
+     r"field requires does not name 'residual-diff', but tensors\[\d+\] is stored as a 'diff' residual"),
 ])
 def test_a_malformed_prediction_in_a_manifest_is_refused_naming_the_field(tmp_path, edit, error, message):
     """Each check of a record's ``"predict"`` entry and of its inputs (a forged manifest, or one from a newer

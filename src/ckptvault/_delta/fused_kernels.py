@@ -7,8 +7,9 @@ depend on the order in which a compiler passes the operands of a commutative ope
 NaNs it made, and its caller then computes that slice with numpy.
 
 Contract: ``KERNELS[op][0](inputs..., out, scalars...)`` writes the prediction into ``out`` and returns how many
-of its elements are NaN. Arrays are 1-D, of one float dtype and length; scalars are of the arrays' dtype. The
-kernels release the GIL, compile on first use and are cached on disk by numba.
+of its elements are NaN. Arrays are 1-D, of one float dtype and length; scalars are of the arrays' dtype.
+:func:`diff32` and :func:`undiff32` make and undo a ``"diff"`` residual of uint32 words. The kernels release the
+GIL, compile on first use and are cached on disk by numba.
 """
 
 from __future__ import annotations
@@ -75,6 +76,23 @@ def _sgd_nesterov(p0, buf0, buf1, out, neg_lr, momentum, one_minus_dampening):  
     return nan
 
 
+@njit(**_OPTIONS)
+def diff32(source, prediction, out):  # type: ignore[no-untyped-def]
+    """``out = zigzag(source - prediction)`` on uint32 bit patterns, the difference wrapping at 32 bits
+    (``kernels._diff``'s numpy sequence in one pass)."""
+    for i in range(out.size):
+        d = np.int32(np.int64(source[i]) - np.int64(prediction[i]))  # wraps to 32 bits
+        out[i] = np.uint32((np.int64(d) << 1) ^ (np.int64(d) >> 31))
+
+
+@njit(**_OPTIONS)
+def undiff32(source, prediction, out):  # type: ignore[no-untyped-def]
+    """The inverse of :func:`diff32`: ``out = prediction + unzigzag(source)``, wrapping at 32 bits."""
+    for i in range(out.size):
+        z = np.int64(source[i])
+        out[i] = np.uint32(((z >> 1) ^ -(z & 1)) + np.int64(prediction[i]))
+
+
 #: per kernel name: the compiled loop, the input roles and the scalar names in the order it takes them. ``max-1``
 #: stays with numpy: one operation gains nothing from fusing, and the sign of a maximum of two zeros is numpy's own
 KERNELS: dict[str, tuple[Callable[..., int], tuple[str, ...], tuple[str, ...]]] = {
@@ -99,3 +117,6 @@ def load() -> None:
         for op, (_kernel, roles, names) in KERNELS.items():
             one = np.ones(1, dtype=dtype)
             predict_into(op, dict.fromkeys(roles, one), dict.fromkeys(names, 1.0), np.empty(1, dtype=dtype))
+    words = np.ones(1, dtype=np.uint32)
+    diff32(words, words, np.empty(1, dtype=np.uint32))
+    undiff32(words, words, np.empty(1, dtype=np.uint32))

@@ -15,6 +15,12 @@ Once a process has loaded numba for its byte-plane kernels (``_codecs/planes.py`
 pass per slice (``fused_kernels.py``: the same operations in the same order, so the same bits), loaded in the
 background on first need; a slice whose prediction holds a NaN is computed here again, as a NaN's payload may
 depend on a compiler's order of operands.
+
+A record stores its residual against its prediction (:func:`residual_of`, undone by :func:`undo_residual`): the XOR
+of the two bit patterns, or their difference as unsigned integers wrapping at the width, zigzag-coded so that
+small differences of either sign have small codes (``"diff"``, what saves write: a first moment's new bits sit
+above and below its prediction alike, and the difference's high bytes then hold fewer distinct values than the
+XOR's). Both are integer operations, exact everywhere.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ import blake3
 import numpy as np
 
 from .._codecs.planes import kernels_ready
-from .._format.predicted import KERNEL_SIGNATURES
+from .._format.predicted import KERNEL_SIGNATURES, RESIDUALS
 from .._parallel import map_all
 from ..errors import PredictionError
 
@@ -118,32 +124,88 @@ def predict(op: str, inputs: Mapping[str, np.ndarray], scalars: Mapping[str, flo
     return result if result is out else result.copy()
 
 
-def xor_prediction(op: str, inputs: Mapping[str, np.ndarray], scalars: Mapping[str, float], target: np.ndarray,
-                   skip: tuple[int, ...] = (), block: int = 0, pool: ThreadPoolExecutor | None = None,
-                   source: np.ndarray | None = None) -> None:
-    """``target = source ^ prediction of op`` on the arrays' bits (``source``: ``target`` itself by default), except
-    in the ``block``-byte blocks ``skip`` names, left as they are; in slices on ``pool`` when given (numpy releases
-    the GIL). ``target`` may be one of the inputs: each slice's prediction is made before its slice is written.
-    Not from one of ``pool``'s own threads."""
-    source = target if source is None else source
+def residual_of(op: str, inputs: Mapping[str, np.ndarray], scalars: Mapping[str, float], target: np.ndarray,
+                source: np.ndarray, residual: str, pool: ThreadPoolExecutor | None = None) -> None:
+    """``target`` = the ``residual`` (``"xor"`` or ``"diff"``) of ``source``'s bits against the prediction of ``op``;
+    in slices on ``pool`` when given (numpy and the fused kernels release the GIL). ``target`` may be one of the
+    inputs: each slice's prediction is made before its slice is written. Not from one of ``pool``'s own threads."""
+    _per_slice(op, inputs, scalars, target, source, _COMBINE[residual, False], (), 0, pool)
+
+
+def undo_residual(op: str, inputs: Mapping[str, np.ndarray], scalars: Mapping[str, float], target: np.ndarray,
+                  residual: str, skip: tuple[int, ...] = (), block: int = 0, pool: ThreadPoolExecutor | None = None,
+                  source: np.ndarray | None = None) -> None:
+    """The inverse of :func:`residual_of`: ``target`` = the bits ``source`` (``target`` itself by default) stores as
+    its ``residual`` against the prediction of ``op``, except in the ``block``-byte blocks ``skip`` names (stored as
+    they are), left as they are. Slices and ``pool`` as for :func:`residual_of`."""
+    _per_slice(op, inputs, scalars, target, target if source is None else source, _COMBINE[residual, True], skip,
+               block, pool)
+
+
+#: combines a slice's stored or original bits with its prediction's: (source, prediction, target, scratch), arrays
+#: of unsigned integers of the dtype's width, one length; ``target`` may be ``source``, never the scratch
+Combine = Callable[[np.ndarray, np.ndarray, np.ndarray, np.ndarray], None]
+
+
+def _per_slice(op: str, inputs: Mapping[str, np.ndarray], scalars: Mapping[str, float], target: np.ndarray,
+               source: np.ndarray, combine: Combine, skip: tuple[int, ...], block: int,
+               pool: ThreadPoolExecutor | None) -> None:
     per_block = block // target.itemsize if block else 0
     skipped = set(skip)
     parts = [(start, min(start + SLICE, len(target))) for start in range(0, len(target), SLICE)]
     if skipped:
         parts = [p for start, stop in _without(len(target), per_block, skipped) for p in _sliced(start, stop)]
+    bits = np.dtype(f"u{target.itemsize}")
 
     def one(part: tuple[int, int]) -> None:
         lo, hi = part
         out, tmp = _buffers(target.dtype, hi - lo)
         prediction = _predicted(op, {role: a[lo:hi] for role, a in inputs.items()}, scalars, out, tmp)
-        bits = np.dtype(f"u{target.itemsize}")
-        np.bitwise_xor(source[lo:hi].view(bits), prediction.view(bits), out=target[lo:hi].view(bits))
+        combine(source[lo:hi].view(bits), prediction.view(bits), target[lo:hi].view(bits), tmp.view(bits))
 
     if pool is None or len(parts) <= 1:
         for part in parts:
             one(part)
     else:
         map_all(pool, one, parts)
+
+
+def _xor(source: np.ndarray, prediction: np.ndarray, target: np.ndarray, tmp: np.ndarray) -> None:
+    np.bitwise_xor(source, prediction, out=target)
+
+
+def _diff(source: np.ndarray, prediction: np.ndarray, target: np.ndarray, tmp: np.ndarray) -> None:
+    """``target = zigzag(source - prediction)``, the difference wrapping at the width: a value one unit in the
+    last place above its prediction stores 2, one below stores 1 (XOR would set every bit that the carry flips)."""
+    fused = _ready_fused()
+    if fused is not None and target.itemsize == 4:
+        fused.diff32(source, prediction, target)
+        return
+    signed = np.dtype(f"i{target.itemsize}")
+    np.subtract(source, prediction, out=target)
+    np.right_shift(target.view(signed), 8 * target.itemsize - 1, out=tmp.view(signed))  # all ones where negative
+    np.left_shift(target, 1, out=target)
+    np.bitwise_xor(target, tmp, out=target)
+
+
+def _undiff(source: np.ndarray, prediction: np.ndarray, target: np.ndarray, tmp: np.ndarray) -> None:
+    """The inverse of :func:`_diff`: ``target = prediction + unzigzag(source)``, wrapping at the width."""
+    fused = _ready_fused()
+    if fused is not None and target.itemsize == 4:
+        fused.undiff32(source, prediction, target)
+        return
+    signed = np.dtype(f"i{target.itemsize}")
+    np.bitwise_and(source, 1, out=tmp)
+    np.negative(tmp.view(signed), out=tmp.view(signed))  # all ones where the difference is negative
+    np.right_shift(source, 1, out=target)
+    np.bitwise_xor(target, tmp, out=target)
+    np.add(target, prediction, out=target)
+
+
+#: (residual, undo) -> how a slice's bits combine with its prediction's
+_COMBINE: dict[tuple[str, bool], Combine] = {("xor", False): _xor, ("xor", True): _xor,
+                                             ("diff", False): _diff, ("diff", True): _undiff}
+assert {r for r, _undo in _COMBINE} == set(RESIDUALS)
 
 
 def _predicted(op: str, inputs: Mapping[str, np.ndarray], scalars: Mapping[str, float], out: np.ndarray,

@@ -1,5 +1,5 @@
-"""Predicted deltas: a checkpoint one optimizer step after the previous one stores its weights and moments as the
-XOR with their prediction from that checkpoint (DESIGN §6, "Predicted deltas").
+"""Predicted deltas: a checkpoint one optimizer step after the previous one stores its weights and moments as their
+residual against their prediction from that checkpoint (DESIGN §6, "Predicted deltas").
 
 Call order, one save at a time (the saver's): :meth:`Predictor.apply` after the snapshot (and lossy step), which
 replaces the views of predicted records with their residuals; then the chunks are written and the manifest,
@@ -23,7 +23,7 @@ import zstandard
 from .._format.records import Manifest, PredictInfo, PredictInput
 from .._save.snapshot import ArrayRecord, Snapshot
 from ..errors import PredictionError
-from .kernels import check_ieee, digest, flat_array, predict, xor_prediction
+from .kernels import check_ieee, digest, flat_array, predict, residual_of
 from .optimizers import ParamSlot, find_slots
 
 log = logging.getLogger(__name__)
@@ -33,6 +33,9 @@ SAMPLE = 1 << 14
 #: blocks smaller than this are judged by their count of non-zero bytes (too little for zstd to say)
 SMALL = 4096
 _ESTIMATOR = zstandard.ZstdCompressor(level=1)
+#: the residual saves write (``kernels.residual_of``): the zigzag-coded difference, whose high byte planes store
+#: smaller than the XOR's for first moments, and no larger for the nearly exact kinds
+RESIDUAL = "diff"
 
 
 @dataclass
@@ -91,13 +94,13 @@ class Predictor:
             actual = current[record.path]
             inputs = {i.role: (current if i.level == 0 else kept.arrays)[i.path] for i in plan.inputs}
             residual = self._residual_buffer(record.path, actual, kept, last_read.get(record.path, -1) <= n)
-            xor_prediction(plan.op, inputs, plan.scalars, residual, pool=pool, source=actual)
+            residual_of(plan.op, inputs, plan.scalars, residual, actual, RESIDUAL, pool)
             raw_blocks = _raw_blocks(actual, residual, block)
             if len(raw_blocks) * block >= record.nbytes:
                 continue
             _restore_blocks(residual, actual, raw_blocks, block)
             info = PredictInfo(plan.op, plan.inputs, plan.scalars, digest(actual), block, from_step,
-                               tuple(raw_blocks))
+                               tuple(raw_blocks), RESIDUAL)
             records[plan.index] = replace(record, predict=info)
             views[plan.index] = residual.view(np.uint8).data
         return replace(snapshot, records=records, views=views)

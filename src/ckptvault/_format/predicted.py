@@ -1,6 +1,6 @@
 """Checks of predicted records and of the restore chain a predicted checkpoint carries (DESIGN §6, "Predicted deltas").
 
-A record with ``"predict"`` is stored as the XOR of its bytes with a prediction computed from other records: of
+A record with ``"predict"`` is stored as its residual against a prediction computed from other records: of
 its own checkpoint (level 0) or of the checkpoints before it, whose records the manifest's ``"chain"`` lists with
 pieces in the manifest's own chunk table. A level is stored in chunks of that table (``{"step", "pieces"}``, the
 pieces holding the level's JSON ``{"step", "tensors"}``: :func:`check_level`, when a restore reads it) or inline
@@ -30,6 +30,9 @@ KERNEL_SIGNATURES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
 }
 #: the dtypes predictions are computed in
 PREDICTED_DTYPES = ("float32", "float64")
+#: how a record's stored bits combine with its prediction's: XOR, or the zigzag-coded difference (the manifest then
+#: names the ``requires`` feature given here, which readers from before it existed refuse)
+RESIDUALS: dict[str, str | None] = {"xor": None, "diff": "residual-diff"}
 
 
 def check_predict(f: Any, body: Any, at: str, record_dtype: str) -> PredictInfo:
@@ -56,8 +59,12 @@ def check_predict(f: Any, body: Any, at: str, record_dtype: str) -> PredictInfo:
     block = f.int(f.required(body, "block", at), f"{at}.block", 1)
     raw = tuple(f.int(b, f"{at}.raw_blocks[{k}]") for k, b in enumerate(f.list(body.get("raw_blocks", []),
                                                                                   f"{at}.raw_blocks")))
+    residual = f.str(body.get("residual", "xor"), f"{at}.residual")
+    if residual not in RESIDUALS:
+        f.fail(f"{at}.residual", f"is {residual[:60]!r}, not one of the residuals format version 1 defines "
+                                 f"({', '.join(RESIDUALS)})")
     return PredictInfo(op, inputs, {name: f.number(scalars[name], f"{at}.scalars.{name}") for name in scalar_names},
-                       digest, block, f.int(f.required(body, "from_step", at), f"{at}.from_step"), raw)
+                       digest, block, f.int(f.required(body, "from_step", at), f"{at}.from_step"), raw, residual)
 
 
 def _input(f: Any, item: Any, at: str) -> PredictInput:
@@ -122,6 +129,10 @@ def check_inputs(f: Any, tensors: tuple[TensorRecord, ...], chain: tuple[ChainLe
             found = True
             if record.is_lossy:
                 f.fail(f"{where}[{k}].predict", "is on a lossy record")
+            feature = RESIDUALS[record.predict.residual]
+            if feature is not None and feature not in requires:
+                f.fail("requires", f"does not name {feature!r}, but {where}[{k}] is stored as a "
+                                   f"{record.predict.residual!r} residual")
             for item in record.predict.inputs:
                 held = by_path[n + item.level] if n + item.level < len(levels) else {}
                 if held is None:

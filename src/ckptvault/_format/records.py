@@ -105,12 +105,14 @@ class PredictInput:
 
 @dataclass(frozen=True)
 class PredictInfo:
-    """A record stored as the XOR of its bytes with a prediction (docs/DESIGN.md section 6, "Predicted deltas").
+    """A record stored as its residual against a prediction (docs/DESIGN.md section 6, "Predicted deltas").
 
     ``op``: the kernel, by versioned name (``_delta/kernels.py``); ``inputs``: the arrays it reads; ``scalars``:
     its constants, in the record's dtype, computed once at save; ``digest``: BLAKE3 of the restored bytes, checked
-    after the XOR; ``raw_blocks``: the ``block``-byte blocks stored as they are (the prediction did not pay);
-    ``from_step``: the checkpoint one step earlier that level-1 inputs come from.
+    once the residual is undone; ``raw_blocks``: the ``block``-byte blocks stored as they are (the prediction did
+    not pay); ``from_step``: the checkpoint one step earlier that level-1 inputs come from; ``residual``: how the
+    stored bits combine with the prediction's, ``"xor"`` or ``"diff"`` (the zigzag-coded difference of the bit
+    patterns as unsigned integers; written without a key when ``"xor"``, as before it existed).
     """
 
     op: str
@@ -120,13 +122,17 @@ class PredictInfo:
     block: int
     from_step: int
     raw_blocks: tuple[int, ...] = ()
+    residual: str = "xor"
 
     def to_json(self) -> dict[str, Any]:
         if not all(math.isfinite(c) for c in self.scalars.values()):  # strict JSON (jsontext.py writes no NaN)
             raise ValueError(f"prediction scalars must be finite, got {self.scalars}")
-        return {"op": self.op, "inputs": [i.to_json() for i in self.inputs], "scalars": dict(self.scalars),
-                "digest": self.digest, "block": self.block, "from_step": self.from_step,
-                "raw_blocks": list(self.raw_blocks)}
+        out = {"op": self.op, "inputs": [i.to_json() for i in self.inputs], "scalars": dict(self.scalars),
+               "digest": self.digest, "block": self.block, "from_step": self.from_step,
+               "raw_blocks": list(self.raw_blocks)}
+        if self.residual != "xor":
+            out["residual"] = self.residual
+        return out
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,7 @@ from .shards import check_boxes, check_sharding, check_shards_node
 MANIFEST_FORMAT = "ckptvault.manifest"
 VAULT_FORMAT = "ckptvault.vault"
 #: optional features a manifest may declare in "requires"; a reader refuses any it does not know
-KNOWN_FEATURES = frozenset({"lossy", "xplanes", "sharded", "predicted", "chain-chunks"})
+KNOWN_FEATURES = frozenset({"lossy", "xplanes", "sharded", "predicted", "chain-chunks", "residual-diff"})
 #: the only chunk hash of format version 1
 HASH_NAME = "blake3"
 #: chunk sizes a vault may declare: a multiple of 64 (every dtype's elements end on a chunk boundary) in this range

@@ -1,5 +1,5 @@
-"""Restoring predicted records: the stored XOR residual, XORed with the prediction recomputed from the records it
-was predicted from (DESIGN §6, "Predicted deltas").
+"""Restoring predicted records: the stored residual combined back with the prediction recomputed from the records
+it was predicted from (DESIGN §6, "Predicted deltas").
 
 A predicted record's inputs are records of its own checkpoint or of the checkpoints before it, which the
 manifest's restore chain lists (with pieces in its own chunk table). A restore groups the records it needs into
@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from .._delta.kernels import check_ieee, digest, flat_array, xor_prediction
+from .._delta.kernels import check_ieee, digest, flat_array, undo_residual
 from .._format.records import Manifest, PredictInfo, TensorRecord
 from .._vault import Vault
 from ..errors import CorruptManifestError
@@ -166,6 +166,6 @@ class _Level:
 
     def _unpredict(self, record: TensorRecord, info: PredictInfo, array: np.ndarray,
                    inputs: dict[str, np.ndarray]) -> None:
-        xor_prediction(info.op, inputs, info.scalars, array, info.raw_blocks, info.block, self.pool)
+        undo_residual(info.op, inputs, info.scalars, array, info.residual, info.raw_blocks, info.block, self.pool)
         if digest(array) != info.digest:
             raise mismatch(self.manifest, record)

@@ -12,13 +12,14 @@ level above is rebuilt. Memory: the outputs, plus a slice of each record of two 
 the restore returns.
 
 Each output that is a predicted record is hashed slice by slice in order, as its slices finish, and checked against
-its digest (P2) once all are in. Only the chunks of outputs stored as they are get hashed as they are read (C3): every
-other chunk a family reads holds the residual of a predicted output, which the XOR with its prediction maps one to
-one onto the output, or an input of a prediction (a record of a deeper level, or one the caller did not ask for),
-which every output it feeds into recomputes from it. Every record a family reads feeds a predicted output that the
-caller asked for, so the outputs' digests check all their bytes that matter: an output whose digest matches is
-exactly the saved record, whatever its inputs held where they did not count. On a mismatch the family's chunks
-are read again, hashed, so that a damaged chunk is named before the prediction is blamed.
+its digest (P2) once all are in. Only the chunks of outputs stored as they are get hashed as they are read (C3):
+every other chunk a family reads holds the residual of a predicted output, which its prediction maps one to one
+onto the output (XOR and the wrapping difference are both bijections of the words), or an input of a prediction (a
+record of a deeper level, or one the caller did not ask for), which every output it feeds into recomputes from it.
+Every record a family reads feeds a predicted output that the caller asked for, so the outputs' digests check all
+their bytes that matter: an output whose digest matches is exactly the saved record, whatever its inputs held where
+they did not count. On a mismatch the family's chunks are read again, hashed, so that a damaged chunk is named
+before the prediction is blamed.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from typing import Any
 import blake3
 import numpy as np
 
-from .._delta.kernels import flat_array, xor_prediction
+from .._delta.kernels import flat_array, undo_residual
 from .._format.records import ChunkRef, Manifest, TensorRecord
 from .._parallel import map_all
 from .._vault import Vault
@@ -159,7 +160,7 @@ def mismatch(manifest: Manifest, record: TensorRecord) -> PredictionError:
     """The error of predicted ``record`` restored to bytes other than those it was saved with."""
     info = record.predict
     assert info is not None  # only predicted records are checked against a digest
-    return PredictionError(f"step {manifest.step}: {record.path!r}, stored as the XOR with its prediction "
+    return PredictionError(f"step {manifest.step}: {record.path!r}, stored as the residual against its prediction "
                            f"({info.op}) from step {info.from_step}, does not restore to the bytes it was saved "
                            "with (BLAKE3 digest differs) although its chunks are intact; its value is not "
                            "trustworthy: restore an earlier checkpoint, and report this with `ckptvault show`")
@@ -200,7 +201,7 @@ class _Run:
                 values[node] = out
                 continue
             kept = record.predict is None  # the stored bytes are the value, read by the levels above
-            borrowed: list[np.ndarray] = []  # the read buffer of a residual, given back once it is XORed
+            borrowed: list[np.ndarray] = []  # the read buffer of a residual, given back once it is undone
             buffer = _take(scratch, held.setdefault(n, []) if kept else borrowed, record.pieces[j].length)
             stored = flat_array(self._read(record, j, buffer.data, verify=False), record.dtype)  # the digests check it
             values[node] = stored if kept else self._rebuilt(record, n, lo, stored, out, values, scratch,
@@ -217,7 +218,7 @@ class _Run:
 
     def _rebuilt(self, record: TensorRecord, n: int, lo: int, stored: np.ndarray, out: np.ndarray | None,
                  values: dict[Node, np.ndarray], scratch: list[np.ndarray], held: list[np.ndarray]) -> np.ndarray:
-        """Predicted ``record``'s slice from byte ``lo``: its stored bytes XORed with its prediction, in ``out`` (the
+        """Predicted ``record``'s slice from byte ``lo``: its stored residual undone with its prediction, in ``out`` (the
         caller's) if given, else in scratch that ``held`` keeps for the levels above."""
         info = record.predict
         assert info is not None  # records stored as they are need no rebuilding
@@ -225,9 +226,10 @@ class _Run:
         inputs = {i.role: values[(n + i.level, self.index[n + i.level][i.path])] for i in info.inputs}
         first, last = lo // info.block, (lo + stored.nbytes - 1) // info.block
         skip = tuple(b - first for b in info.raw_blocks if first <= b <= last)
-        if skip:  # blocks stored as they are: copied, and the XOR leaves them alone
+        if skip:  # blocks stored as they are: copied, and undoing the residual leaves them alone
             np.copyto(target, stored)
-        xor_prediction(info.op, inputs, info.scalars, target, skip, info.block, source=None if skip else stored)
+        undo_residual(info.op, inputs, info.scalars, target, info.residual, skip, info.block,
+                      source=None if skip else stored)
         return target
 
 

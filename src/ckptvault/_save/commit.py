@@ -66,7 +66,8 @@ def build_manifest(step: int, snapshot: Snapshot, chunks: list[ChunkResult], pie
     requires = tuple(feature for feature, used in (("lossy", any(t.lossy is not None for t in tensors)),
                                                    ("xplanes", any(c.base for c in table.entries)),
                                                    ("predicted", bool(chain)),
-                                                   ("chain-chunks", any(level.pieces for level in chain))) if used)
+                                                   ("chain-chunks", any(level.pieces for level in chain)),
+                                                   ("residual-diff", _any_diff(tensors, chain))) if used)
     manifest = new_manifest(
         step, table, tensors, tree=snapshot.tree, logical_bytes=snapshot.logical_bytes, metrics=metrics,
         metadata=metadata, pickle=snapshot.allow_pickle and any(r.kind == "pickle" for r in snapshot.records),
@@ -104,6 +105,12 @@ class ChunkTable:
         elif chunk.new and not self.entries[index].new:
             self.entries[index] = replace(self.entries[index], new=True)
         return index
+
+
+def _any_diff(tensors: tuple[TensorRecord, ...], chain: tuple[records.ChainLevel, ...]) -> bool:
+    """Whether a record of this manifest or of a level it holds inline is stored as a ``diff`` residual."""
+    held = [*tensors, *(t for level in chain for t in level.tensors or ())]
+    return any(t.predict is not None and t.predict.residual == "diff" for t in held)
 
 
 def _tensor_record(record: ArrayRecord, pieces: list[Piece], remap: list[int], table: ChunkTable) -> TensorRecord:

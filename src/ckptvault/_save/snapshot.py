@@ -50,7 +50,7 @@ class ArrayRecord:
     keyframe_pieces: tuple[KeyframePiece, ...] = ()
     #: where a shard's box starts in its global array (DCP saves); None: the record is the whole array
     offsets: tuple[int, ...] | None = None
-    #: set by the prediction step (``_delta/predict.py``): the view holds the XOR with this prediction
+    #: set by the prediction step (``_delta/predict.py``): the view holds the residual against this prediction
     predict: PredictInfo | None = None
 
     @property
