@@ -40,8 +40,8 @@ class DeltaOptions:
     ``False`` never. Figures: docs/benchmarks/incremental.md.
 
     ``predict=True``: a checkpoint saved one optimizer step after the previous one stores the weights and moments
-    of Adam, AdamW and SGD (momentum, Nesterov) optimizers in the state as the XOR with their prediction from that
-    checkpoint, losslessly, where that stores less (docs/DESIGN.md §6). The optimizer's parameters pair with the
+    of Adam, AdamW and SGD (momentum, Nesterov) optimizers in the state as their difference from their prediction
+    from that checkpoint, losslessly, where that stores less (docs/DESIGN.md §6). The optimizer's parameters pair with the
     model's arrays in state order; ``predict={"optimizer": "model"}`` names the model subtree of each optimizer
     key path instead. It keeps a copy of the weights and moments of the latest save in host memory. Restoring a
     predicted checkpoint rebuilds the ones it was predicted from first; ``max_chain`` caps how many: a checkpoint
