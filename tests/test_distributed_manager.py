@@ -206,6 +206,18 @@ def test_a_manager_made_on_one_rank_only_fails_naming_the_others_instead_of_hang
     assert report["alone"] == [False, [1]]
 
 
+def test_an_unexpected_failure_of_retention_reaches_rank_0_typed_as_in_a_single_process(tmp_path: Path) -> None:
+    """Rank 0 runs retention after each commit; a bug in it (not a VaultError) reaches rank 0's next wait as the
+    SaveError a single-process manager gives, saying the checkpoint itself was committed. Rank 1 is not told."""
+    url = str(tmp_path / "vault")
+    dcp_worker.spawn(dist_manager.retention_fails, 2, (url, str(tmp_path)), tmp_path)
+    first = _json(tmp_path / "retention_rank0.json")
+    assert first == {"error": "SaveError", "cause": "RuntimeError", "steps": [1],
+                     "text": "step 1 was committed, but the retention that runs after it failed: "
+                             "RuntimeError: retention bug"}
+    assert _json(tmp_path / "retention_rank1.json") == {"error": None, "steps": [1]}
+
+
 def test_lossy_rules_apply_to_shards_with_measured_errors_and_load_at_another_world_size(tmp_path: Path) -> None:
     """bf16, int8-block and residual-int8 (against the keyframe's copy of the same shard) on FSDP2 shards saved at 2
     ranks: each shard's error is measured and recorded, within its codec's bound; weights not ruled stay exact; a

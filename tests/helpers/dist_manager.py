@@ -266,6 +266,30 @@ def lonely(rank: int, world: int, store: str, url: str, out: str) -> None:
     dist.destroy_process_group()
 
 
+def retention_fails(rank: int, world: int, store: str, url: str, out: str) -> None:
+    """Retention (rank 0 runs it after each commit) fails with an unexpected error: what each rank's ``wait`` raises
+    after an asynchronous save, and what the vault holds after."""
+    import ckptvault.manager
+
+    def broken(vault: object, retention: object, step: int, exclusive: bool = False) -> None:
+        raise RuntimeError("retention bug")
+
+    ckptvault.manager.apply_retention = broken  # type: ignore[assignment]
+    mesh = _init(rank, world, store)
+    net, opt = _sharded(0, mesh)
+    report: dict[str, Any] = {"error": None}
+    with ckptvault.CheckpointManager(url, chunk_size=64 << 10, retention=ckptvault.KeepLast(1)) as mgr:
+        mgr.save(1, _state(net, opt, 1, loader=rank))
+        try:
+            mgr.wait()
+        except Exception as exc:  # noqa: BLE001 - reported for the test process to check
+            report = {"error": type(exc).__name__, "text": str(exc), "cause": type(exc.__cause__).__name__}
+        report["steps"] = mgr.steps()
+    Path(out, f"retention_rank{rank}.json").write_text(json.dumps(report))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 LOSSY_RULES = {"optim.state.*.exp_avg_sq": "bf16", "optim.state.*.exp_avg": "int8-block:64",
                "model.inner.weight": "residual-int8"}
 

@@ -96,8 +96,8 @@ class Collective(InFlight):
 
     def __init__(self, vault: Vault, options: DistributedOptions, settings: SaveSettings,
                  after_commit: Callable[[int], None] | None) -> None:
-        super().__init__("ckptvault-dsave")
-        self.vault, self.options, self.settings, self.after_commit = vault, options, settings, after_commit
+        super().__init__("ckptvault-dsave", after_commit)
+        self.vault, self.options, self.settings = vault, options, settings
         self.codec_rules = checked_rules(settings.codec_rules, settings.codec)
         join(dist.get_rank(), dist.get_world_size(), options.timeout)  # a manager on one rank only: an error, no hang
         timeout = timedelta(seconds=options.timeout)
@@ -263,12 +263,8 @@ class Collective(InFlight):
             return
         handle.committed.set_result(info_from_manifest(manifest))
         self._keep_keyframe(step)
-        if self.rank == 0 and self.after_commit is not None:
-            try:
-                self.after_commit(step)
-            except BaseException as exc:  # noqa: BLE001 - kept for the next save, wait or close
-                log.error("the retention after step %d failed: %s", step, exc)
-                self.keep_error(exc, None)
+        if self.rank == 0:  # one rank prunes for all
+            self.run_after_commit(step)
 
     def _keep_keyframe(self, step: int) -> None:
         """Keep committed keyframe ``step``'s chunks in the cache (the bytes noted are this save's staging buffers, or
