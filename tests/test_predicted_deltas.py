@@ -284,6 +284,33 @@ def test_bad_prediction_options_are_refused(options, error, message):
         DeltaOptions(**options)
 
 
+def test_optimizers_are_found_under_any_key_path_and_lookalikes_are_not():
+    """An optimizer ``state_dict()`` inside lists and dicts (its groups a list or a tuple) is found at its key path; a
+    dict with ``state`` whose ``param_groups`` are not dicts, or whose ``state`` is not a dict, is not one."""
+    from ckptvault._delta.optimizers import find_slots
+    from ckptvault._save.snapshot import take_snapshot
+    from ckptvault.rules import CodecRules
+
+    model = _model()
+    first, second = torch.optim.AdamW(model.parameters(), lr=1e-3), torch.optim.SGD(model.parameters(), lr=0.1,
+                                                                                      momentum=0.9)
+    for opt in (first, second):
+        model(torch.arange(8)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    tupled = second.state_dict()
+    tupled["param_groups"] = tuple(tupled["param_groups"])
+    state = {"model": model.state_dict(), "run": [{"optim": first.state_dict()}, {"inner": {"sgd": tupled}}],
+             "decoy": {"state": {"x": torch.ones(2)}, "param_groups": [1, 2]},
+             "other": {"state": [1], "param_groups": [{"lr": 0.1}]}}
+    snapshot = take_snapshot(state, CodecRules(None, "zstd"))
+    slots = find_slots(snapshot.tree, list(snapshot.records), list(snapshot.views))
+    assert {path for path, _pid in slots} == {"run.0.optim", "run.1.inner.sgd"}
+    assert {slot.kind for slot in slots.values()} == {"adam", "sgd"}
+    params = [snapshot.records[s.param].path for key, s in sorted(slots.items()) if key[0] == "run.0.optim"]
+    assert params == [f"model.{name}" for name in model.state_dict()]
+
+
 def test_naming_the_model_subtree_pairs_it(tmp_path):
     model = _model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)

@@ -53,9 +53,8 @@ def find_slots(tree: Node, records: list[Any], views: list[memoryview], pairs: M
                ) -> dict[tuple[str, int], ParamSlot]:
     """Every supported optimizer parameter of the snapshot, by (optimizer key path, param id), paired where a
     model array fits. ``records``/``views``: the snapshot's; ``pairs``: optimizer key path -> model subtree."""
-    state = _python(tree)
     slots: dict[tuple[str, int], ParamSlot] = {}
-    optimizers = list(_optimizers(state, ""))
+    optimizers = [(path, _python(node)) for path, node in _optimizers(tree, "")]
     inside = tuple(path + "." for path, _ in optimizers)
     for path, opt in optimizers:
         if pairs is not None and path not in pairs:
@@ -81,16 +80,26 @@ def _python(node: Node) -> Any:
     return scalar_value(node)
 
 
-def _optimizers(value: Any, path: str) -> Any:
-    if isinstance(value, dict):
-        groups = value.get("param_groups")
-        if isinstance(value.get("state"), dict) and isinstance(groups, list) and all(isinstance(g, dict) for g in groups):
-            yield path, value
+_DICTS = ("dict", "odict")
+_LISTS = ("list", "tuple")
+
+
+def _optimizers(node: Node, path: str) -> Any:
+    """(key path, skeleton node) of every optimizer ``state_dict()`` in the skeleton: a dict whose ``state`` is a
+    dict and whose ``param_groups`` is a list of dicts. Only these are turned into Python values (:func:`_python`):
+    the rest of the state is walked, never converted."""
+    tag, body = next(iter(node.items()))
+    if tag in _DICTS:
+        children = {scalar_value(k): child for k, child in body}
+        state, groups = children.get("state"), children.get("param_groups")
+        if (state is not None and next(iter(state)) in _DICTS and groups is not None and next(iter(groups)) in _LISTS
+                and all(next(iter(g)) in _DICTS for g in next(iter(groups.values())))):
+            yield path, node
             return
-        for key, child in value.items():
+        for key, child in children.items():
             yield from _optimizers(child, join_path(path, key))
-    elif isinstance(value, list):
-        for k, child in enumerate(value):
+    elif tag in _LISTS:
+        for k, child in enumerate(body):
             yield from _optimizers(child, join_path(path, k))
 
 
@@ -136,13 +145,16 @@ def _pair(slots: list[ParamSlot], records: list[Any], inside: tuple[str, ...], p
     """Give each slot the model arrays of its first moment's dtype and shape as candidates, the one state order
     suggests first: the next unused one after the previous slot's (parameter groups may reorder parameters, so
     an earlier unused one comes next)."""
-    arrays = [i for i, r in enumerate(records) if r.kind == "torch" and r.dtype in PREDICTED_DTYPES
-              and not r.path.startswith(inside) and (not prefix or r.path.startswith(prefix + "."))]
+    by_form: dict[tuple[str, tuple[int, ...]], list[int]] = {}  # model arrays by dtype and shape, in state order
+    for i, r in enumerate(records):
+        if (r.kind == "torch" and r.dtype in PREDICTED_DTYPES and not r.path.startswith(inside)
+                and (not prefix or r.path.startswith(prefix + "."))):
+            by_form.setdefault((r.dtype, tuple(r.shape)), []).append(i)
     used: set[int] = set()
     last = -1
     for slot in slots:
         moment = records[next(iter(slot.moments.values()))]
-        fitting = [i for i in arrays if records[i].dtype == moment.dtype and records[i].shape == moment.shape]
+        fitting = by_form.get((moment.dtype, tuple(moment.shape)), [])
         unused = [i for i in fitting if i not in used]
         preferred = [i for i in unused if i > last] + [i for i in unused if i <= last]
         slot.candidates = preferred + [i for i in fitting if i in used]
