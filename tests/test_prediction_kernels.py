@@ -113,6 +113,12 @@ def test_every_residual_is_undone_bit_for_bit_for_any_bits(residual: str, dtype:
     np.testing.assert_array_equal(apart.view(bits), original)
     undo_residual("same-1", inputs, {}, stored, residual)  # in place
     np.testing.assert_array_equal(stored.view(bits), original)
+    made = predicted.copy().view(dtype)
+    residual_of("same-1", {"x0": made}, {}, made, original.view(dtype), residual)  # the target is the input
+    np.testing.assert_array_equal(made.view(bits), by_numpy.view(bits))
+    undone = predicted.copy().view(dtype)
+    undo_residual("same-1", {"x0": undone}, {}, undone, residual, source=by_numpy)
+    np.testing.assert_array_equal(undone.view(bits), original)
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES), ids=["float32", "float64"])

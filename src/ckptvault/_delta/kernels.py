@@ -161,6 +161,9 @@ def _per_slice(op: str, inputs: Mapping[str, np.ndarray], scalars: Mapping[str, 
         lo, hi = part
         out, tmp = _buffers(target.dtype, hi - lo)
         prediction = _predicted(op, {role: a[lo:hi] for role, a in inputs.items()}, scalars, out, tmp)
+        if prediction is not out and np.may_share_memory(prediction, target):  # an input (same-1) that is the target
+            np.copyto(out, prediction)
+            prediction = out
         combine(source[lo:hi].view(bits), prediction.view(bits), target[lo:hi].view(bits), tmp.view(bits))
 
     if pool is None or len(parts) <= 1:
