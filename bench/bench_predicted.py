@@ -1,5 +1,5 @@
-"""Predicted-delta benchmark (docs/benchmarks/predicted.md): checkpoints one optimizer step apart stored as the XOR
-with their prediction from the previous checkpoint, against torch.save and against plain XOR deltas.
+"""Predicted-delta benchmark (docs/benchmarks/predicted.md): checkpoints one optimizer step apart stored as their
+difference from their prediction from the previous checkpoint, against torch.save and against plain XOR deltas.
 
     .venv/bin/python bench/bench_predicted.py --size full --runs 3              # W1, W2, every-step demo GPT
     .venv/bin/python bench/bench_predicted.py --size tiny --runs 1 --workloads W1 --steps 12   # smoke

@@ -248,7 +248,7 @@ def _short_list(values: list[int], limit: int = 8) -> str:
 
 
 class PredictionError(CorruptDataError):
-    """A predicted array (stored as the XOR with its prediction from the step before) did not restore to the bytes
+    """A predicted array (stored as its residual against its prediction from the step before) did not restore to the bytes
     it was saved with (its digest differs), or cannot be computed exactly on this thread. Its chunks were intact:
     the prediction differed. As after any restore that fails part way, tensors given as ``into=`` targets then hold
     undefined bytes; a restore into new tensors returns nothing."""

@@ -31,9 +31,9 @@ from .render import human_bytes, table
 @click.option("--every", type=click.IntRange(min=1), default=50, show_default=True,
               help="Checkpoint every K steps (and always at the last step).")
 @click.option("--predict", is_flag=True,
-              help="Store a checkpoint one optimizer step after the previous one as the XOR with its prediction from "
-                   "it (DeltaOptions(predict=True), keyframe_every=20, max_chain=19); with --every 1, a checkpoint "
-                   "every step.")
+              help="Store a checkpoint one optimizer step after the previous one as its difference from its "
+                   "prediction from it (DeltaOptions(predict=True), keyframe_every=20, max_chain=19); with --every 1, "
+                   "a checkpoint every step.")
 @click.option("--saver", type=click.Choice(SAVERS), default="thread", show_default=True,
               help="Where the work after each checkpoint's host copy runs: a thread of the training process, a "
                    "saver process, or a saver process in Linux's idle scheduling class (AsyncOptions(saver=...)).")
