@@ -153,13 +153,14 @@ def _plans(snapshot: Snapshot, slots: dict[tuple[str, int], ParamSlot], kept: _K
     ``pairings``: each parameter's model array at the last prediction, tried first; updated with this one's."""
     records = snapshot.records
     previous = {t.path: t for t in latest.tensors}
-    usable = {r.path for r in records if r.lossy is None or not r.lossy.is_lossy}
 
-    def ready(path: str) -> bool:
-        old = previous.get(path)
-        return (path in usable and path in kept.arrays and old is not None and not old.is_lossy
-                and old.dtype == by_path[path].dtype and list(old.shape) == list(by_path[path].shape))
+    def predictable(record: ArrayRecord) -> bool:
+        """Stored exactly now and at the previous save, with the same dtype and shape, and kept from it."""
+        old = previous.get(record.path)
+        return ((record.lossy is None or not record.lossy.is_lossy) and record.path in kept.arrays and old is not None
+                and not old.is_lossy and old.dtype == record.dtype and list(old.shape) == list(record.shape))
 
+    ready = {r.path for r in records if predictable(r)}  # judged once per record, not once per candidate
     by_path = {r.path: r for r in records}
     index = {r.path: i for i, r in enumerate(records)}
     plans: list[_Plan] = []
@@ -169,11 +170,11 @@ def _plans(snapshot: Snapshot, slots: dict[tuple[str, int], ParamSlot], kept: _K
         if before is None or before["kind"] != slot.kind:
             continue
         paths = {name: records[i].path for name, i in slot.moments.items()}
-        if before["moments"] != paths or not all(ready(p) for p in paths.values()):
+        if before["moments"] != paths or not all(p in ready for p in paths.values()):
             continue
         make = _adam_plans if slot.kind == "adam" else _sgd_plans
         dtype = np.dtype(np.float32) if by_path[next(iter(paths.values()))].dtype == "float32" else np.dtype(np.float64)
-        candidates = [records[i].path for i in slot.candidates if ready(records[i].path) and records[i].path not in chosen]
+        candidates = [records[i].path for i in slot.candidates if records[i].path in ready and records[i].path not in chosen]
         found = make(slot, before, paths, candidates[0] if candidates else None, dtype)
         if found and found[-1][1] in PARAMETER_OPS:
             if len(candidates) > 1:
