@@ -15,6 +15,9 @@ What is frozen, against files committed in ``tests/golden/``:
   and verifying it.
 * ``vault_v1_xplanes/``: the same states written since deltas are plane deltas (the ``xplanes`` stage). It is the
   newest golden vault, the only one ``--regen-goldens`` rewrites.
+* ``vault_v1_predicted_inline/`` and ``vault_v1_predicted_diff/``: predicted checkpoints, as written when restore
+  chains were held inline with XOR residuals, and as written with chain levels in chunks and residuals stored as
+  differences; each with the digests of what every step must restore to. Written once, never regenerated.
 
 Regenerating them is a deliberate format change: bump the format version if old readers cannot read the new
 files, then run ``.venv/bin/pytest tests/test_format_golden.py --regen-goldens`` and commit ``tests/golden/``
@@ -240,6 +243,30 @@ def test_golden_predicted_vault_with_its_chain_inline_restores_exactly(tmp_path:
         assert [len(mgr.manifest(s).get("chain", [])) for s in (1, 2, 3)] == [0, 1, 2]
         assert all("tensors" in level and "chain-chunks" not in mgr.manifest(3)["requires"]
                    for level in mgr.manifest(3)["chain"])
+        for step in (1, 2, 3):
+            assert _tensor_digests(mgr.restore(step)) == expected[str(step)]
+        assert mgr.verify().ok
+
+
+#: a vault of predicted checkpoints whose records store the zigzag-coded difference from their prediction
+#: (``"residual": "diff"``), as ckptvault writes them now, chain levels in chunks: three AdamW steps of a small MLP
+#: with weight decay and a warm-up schedule (chunk size 64 KiB: the first layer's arrays span two chunks and stream),
+#: and the digests of what each step restored to when it was written. A change to how a difference is coded or undone
+#: fails here even if it round-trips.
+PREDICTED_DIFF = GOLDEN_DIR / "vault_v1_predicted_diff"
+
+
+def test_golden_predicted_vault_with_differences_restores_exactly(tmp_path: Path) -> None:
+    copy = tmp_path / "vault"
+    shutil.copytree(PREDICTED_DIFF, copy)
+    expected = json.loads(PREDICTED_DIFF.with_name(PREDICTED_DIFF.name + ".expected.json").read_text())
+    with ckptvault.CheckpointManager(copy) as mgr:
+        assert mgr.steps() == [1, 2, 3]
+        assert [len(mgr.manifest(s).get("chain", [])) for s in (1, 2, 3)] == [0, 1, 2]
+        assert mgr.manifest(3)["requires"] == ["predicted", "chain-chunks", "residual-diff"]
+        predicted = [t for t in mgr.manifest(3)["tensors"] if "predict" in t]
+        assert len(predicted) == 12 and {t["predict"]["residual"] for t in predicted} == {"diff"}
+        assert max(len(t["pieces"]) for t in predicted) == 2
         for step in (1, 2, 3):
             assert _tensor_digests(mgr.restore(step)) == expected[str(step)]
         assert mgr.verify().ok
