@@ -31,6 +31,7 @@ import collections
 import hashlib
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -234,18 +235,27 @@ def _tensor_digests(tree: Any, path: str = "") -> dict[str, str]:
     return {path: repr(tree)}
 
 
-def test_golden_predicted_vault_with_its_chain_inline_restores_exactly(tmp_path: Path) -> None:
+def _restores_as_written(vault: Path, tmp_path: Path, check_latest: Callable[[dict[str, Any]], None]) -> None:
+    """A copy of predicted golden ``vault`` (steps 1-3, a chain of one more level each) restores every step to the
+    digests written beside it and verifies; ``check_latest`` checks step 3's manifest body."""
     copy = tmp_path / "vault"
-    shutil.copytree(PREDICTED_INLINE, copy)
-    expected = json.loads(PREDICTED_INLINE.with_name(PREDICTED_INLINE.name + ".expected.json").read_text())
+    shutil.copytree(vault, copy)
+    expected = json.loads(vault.with_name(vault.name + ".expected.json").read_text())
     with ckptvault.CheckpointManager(copy) as mgr:
         assert mgr.steps() == [1, 2, 3]
         assert [len(mgr.manifest(s).get("chain", [])) for s in (1, 2, 3)] == [0, 1, 2]
-        assert all("tensors" in level and "chain-chunks" not in mgr.manifest(3)["requires"]
-                   for level in mgr.manifest(3)["chain"])
+        check_latest(mgr.manifest(3))
         for step in (1, 2, 3):
             assert _tensor_digests(mgr.restore(step)) == expected[str(step)]
         assert mgr.verify().ok
+
+
+def test_golden_predicted_vault_with_its_chain_inline_restores_exactly(tmp_path: Path) -> None:
+    def inline(body: dict[str, Any]) -> None:
+        assert all("tensors" in level for level in body["chain"]) and "chain-chunks" not in body["requires"]
+        assert all("residual" not in t["predict"] for t in body["tensors"] if "predict" in t)  # XORs
+
+    _restores_as_written(PREDICTED_INLINE, tmp_path, inline)
 
 
 #: a vault of predicted checkpoints whose records store the zigzag-coded difference from their prediction
@@ -257,16 +267,10 @@ PREDICTED_DIFF = GOLDEN_DIR / "vault_v1_predicted_diff"
 
 
 def test_golden_predicted_vault_with_differences_restores_exactly(tmp_path: Path) -> None:
-    copy = tmp_path / "vault"
-    shutil.copytree(PREDICTED_DIFF, copy)
-    expected = json.loads(PREDICTED_DIFF.with_name(PREDICTED_DIFF.name + ".expected.json").read_text())
-    with ckptvault.CheckpointManager(copy) as mgr:
-        assert mgr.steps() == [1, 2, 3]
-        assert [len(mgr.manifest(s).get("chain", [])) for s in (1, 2, 3)] == [0, 1, 2]
-        assert mgr.manifest(3)["requires"] == ["predicted", "chain-chunks", "residual-diff"]
-        predicted = [t for t in mgr.manifest(3)["tensors"] if "predict" in t]
+    def differences(body: dict[str, Any]) -> None:
+        assert body["requires"] == ["predicted", "chain-chunks", "residual-diff"]
+        predicted = [t for t in body["tensors"] if "predict" in t]
         assert len(predicted) == 12 and {t["predict"]["residual"] for t in predicted} == {"diff"}
         assert max(len(t["pieces"]) for t in predicted) == 2
-        for step in (1, 2, 3):
-            assert _tensor_digests(mgr.restore(step)) == expected[str(step)]
-        assert mgr.verify().ok
+
+    _restores_as_written(PREDICTED_DIFF, tmp_path, differences)
