@@ -26,14 +26,15 @@ import torch
 
 from ..errors import CorruptManifestError, FormatVersionError
 from . import FORMAT_VERSION, HEX_DIGEST
-from .predicted import check_chain, check_inputs, check_level, check_predict
+from .predicted import RESIDUALS, check_chain, check_inputs, check_level, check_predict
 from .records import ChunkRef, Descriptor, LossyInfo, Manifest, Piece, TensorRecord
 from .shards import check_boxes, check_sharding, check_shards_node
 
 MANIFEST_FORMAT = "ckptvault.manifest"
 VAULT_FORMAT = "ckptvault.vault"
 #: optional features a manifest may declare in "requires"; a reader refuses any it does not know
-KNOWN_FEATURES = frozenset({"lossy", "xplanes", "sharded", "predicted", "chain-chunks", "residual-diff"})
+KNOWN_FEATURES = frozenset({"lossy", "xplanes", "sharded", "predicted", "chain-chunks",
+                            *(feature for feature in RESIDUALS.values() if feature is not None)})
 #: the only chunk hash of format version 1
 HASH_NAME = "blake3"
 #: chunk sizes a vault may declare: a multiple of 64 (every dtype's elements end on a chunk boundary) in this range

@@ -17,7 +17,7 @@ from .._feedback import warn_at_caller
 from .._format import FORMAT_VERSION, records
 from .._format.chunk_object import CHUNKS_PREFIX, chunk_key
 from .._format.manifest import encode_manifest, manifest_key
-from .._format.predicted import build_chain, chain_table_prefix
+from .._format.predicted import RESIDUALS, build_chain, chain_table_prefix
 from .._format.records import ChunkRef, LossyInfo, Manifest, TensorRecord
 from .._format.schema import MAX_DEPTH, MAX_STEP, too_deep
 from .._parallel import map_all
@@ -66,8 +66,8 @@ def build_manifest(step: int, snapshot: Snapshot, chunks: list[ChunkResult], pie
     requires = tuple(feature for feature, used in (("lossy", any(t.lossy is not None for t in tensors)),
                                                    ("xplanes", any(c.base for c in table.entries)),
                                                    ("predicted", bool(chain)),
-                                                   ("chain-chunks", any(level.pieces for level in chain)),
-                                                   ("residual-diff", _any_diff(tensors, chain))) if used)
+                                                   ("chain-chunks", any(level.pieces for level in chain))) if used)
+    requires += _residual_features(tensors, chain)
     manifest = new_manifest(
         step, table, tensors, tree=snapshot.tree, logical_bytes=snapshot.logical_bytes, metrics=metrics,
         metadata=metadata, pickle=snapshot.allow_pickle and any(r.kind == "pickle" for r in snapshot.records),
@@ -107,10 +107,12 @@ class ChunkTable:
         return index
 
 
-def _any_diff(tensors: tuple[TensorRecord, ...], chain: tuple[records.ChainLevel, ...]) -> bool:
-    """Whether a record of this manifest or of a level it holds inline is stored as a ``diff`` residual."""
+def _residual_features(tensors: tuple[TensorRecord, ...], chain: tuple[records.ChainLevel, ...]) -> tuple[str, ...]:
+    """The ``requires`` features (``RESIDUALS``) of the residuals that records of this manifest, or of levels it holds
+    inline, are stored as."""
     held = [*tensors, *(t for level in chain for t in level.tensors or ())]
-    return any(t.predict is not None and t.predict.residual == "diff" for t in held)
+    forms = {t.predict.residual for t in held if t.predict is not None}
+    return tuple(sorted(feature for form in forms if (feature := RESIDUALS[form]) is not None))
 
 
 def _tensor_record(record: ArrayRecord, pieces: list[Piece], remap: list[int], table: ChunkTable) -> TensorRecord:
