@@ -1,6 +1,10 @@
 """How saves and restores run: one function over many items on a thread pool, all-or-nothing, with Python's cycle
 collector paused while they build their objects.
 
+A vault owns a pool while it is open (:func:`take_pool`); when it closes, an idle pool is kept for the next vault
+(:func:`release_pool`). Its threads keep their reusable buffers (byte planes, compression output, read buffers):
+new threads would allocate them again, and fresh memory is slow to fault in (docs/benchmarks/small.md).
+
 Saves and restores allocate thousands of acyclic objects (the snapshot's skeleton and records, manifests, the
 restored tree) that live until the operation ends: garbage the collector cannot find, but enough allocations to
 start collections inside the operation, and a full one whenever one is due (one is due right after ``import
@@ -15,18 +19,51 @@ runs.
 from __future__ import annotations
 
 import gc
+import os
 import threading
 from collections.abc import Callable, Iterable
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
-from typing import TypeVar
+from typing import Any, TypeVar
 
 T = TypeVar("T")
 
 #: threads a :func:`started_pool` starts before it is returned; any more start as tasks need them
 PRESTARTED = 8
+#: idle pools of closed vaults kept for the next vaults (:func:`release_pool`)
+SPARE_POOLS = 2
 
 
-def started_pool(workers: int, name: str) -> ThreadPoolExecutor:
+class WorkerPool(ThreadPoolExecutor):
+    """A ``ThreadPoolExecutor`` that counts its unfinished tasks, so that a closed vault can hand it on if idle."""
+
+    def __init__(self, workers: int, name: str) -> None:
+        super().__init__(workers, thread_name_prefix=name)
+        self.workers, self.name = workers, name
+        self._unfinished = 0
+        self._count_lock = threading.Lock()
+
+    def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> Future[T]:
+        with self._count_lock:
+            self._unfinished += 1
+        try:
+            future = super().submit(fn, *args, **kwargs)
+        except BaseException:
+            self._task_done(None)
+            raise
+        future.add_done_callback(self._task_done)  # also on cancel; at once if it is done already
+        return future
+
+    def _task_done(self, _future: object) -> None:
+        with self._count_lock:
+            self._unfinished -= 1
+
+    def idle(self) -> bool:
+        """Whether every task submitted so far has finished (or was cancelled)."""
+        with self._count_lock:
+            return self._unfinished == 0
+
+
+def started_pool(workers: int, name: str) -> WorkerPool:
     """A pool of ``workers`` threads with its first :data:`PRESTARTED` already started, idle.
 
     A ``ThreadPoolExecutor`` starts a thread inside ``submit`` and waits until it runs, which needs the GIL: while
@@ -34,18 +71,54 @@ def started_pool(workers: int, name: str) -> ThreadPoolExecutor:
     each time), so the second and third chunks of a small save or restore started well after the first. Threads
     started here, before any task, take the tasks as they are submitted.
     """
-    pool = ThreadPoolExecutor(workers, thread_name_prefix=name)
+    pool = WorkerPool(workers, name)
     count = min(workers, PRESTARTED)
     gate = threading.Barrier(count + 1)  # each submit finds every started thread busy at the gate: a new one
     try:
         for _ in range(count):
-            pool.submit(gate.wait)
+            ThreadPoolExecutor.submit(pool, gate.wait)  # not counted: a pool is idle once these few lines are done
         gate.wait()
     except BaseException:
         gate.abort()  # frees the threads already waiting (their BrokenBarrierError goes nowhere)
         pool.shutdown(wait=False)
         raise
     return pool
+
+
+_spare: list[WorkerPool] = []  # idle pools of closed vaults, newest last
+_spare_lock = threading.Lock()
+
+
+def take_pool(workers: int, name: str) -> WorkerPool:
+    """A pool for a vault: the spare pool of a closed vault with the same ``workers`` and ``name`` if there is
+    one (its threads keep their reused buffers, which fresh threads would page-fault in again), else a new
+    :func:`started_pool`. Give it back with :func:`release_pool`."""
+    with _spare_lock:
+        for i in range(len(_spare) - 1, -1, -1):
+            if _spare[i].workers == workers and _spare[i].name == name:
+                return _spare.pop(i)
+    return started_pool(workers, name)
+
+
+def release_pool(pool: WorkerPool) -> None:
+    """Done with ``pool`` (a vault closes): keep it for :func:`take_pool` if no task of it is unfinished and fewer
+    than :data:`SPARE_POOLS` are kept, else shut it down, waiting for its tasks. A kept pool's threads stay idle
+    with the buffers they reuse (up to a few chunks' worth each) until a later vault takes it or the
+    interpreter exits, which stops them as it stops every idle pool's."""
+    with _spare_lock:
+        if pool.idle() and len(_spare) < SPARE_POOLS:
+            _spare.append(pool)
+            return
+    pool.shutdown(wait=True)
+
+
+def _forget_spare_pools() -> None:
+    """In a forked child the spare pools' threads did not fork: a task submitted there would never run."""
+    _spare.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_spare_pools)
 
 
 def map_all(pool: ThreadPoolExecutor, fn: Callable[..., T], *iterables: Iterable[object]) -> list[T]:

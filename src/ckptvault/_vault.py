@@ -40,7 +40,7 @@ from ._format.chunk_object import (
 from ._format.manifest import decode_manifest, manifest_key, parse_json, step_of_key
 from ._format.records import Descriptor, Manifest
 from ._format.schema import MAX_CHUNK_SIZE, MIN_CHUNK_SIZE, check_descriptor
-from ._parallel import started_pool
+from ._parallel import WorkerPool, release_pool, take_pool
 from .errors import (
     CorruptChunkError,
     CorruptManifestError,
@@ -77,7 +77,7 @@ class Vault:
         self.store = open_store(url, storage_options)
         self.url = self.store.url
         self.workers = workers or max(default_workers(), self.store.preferred_workers)
-        self._pool: ThreadPoolExecutor | None = None
+        self._pool: WorkerPool | None = None
         self._pool_lock = threading.Lock()
         self._descriptor: Descriptor | None = None
 
@@ -243,13 +243,13 @@ class Vault:
     def pool(self) -> ThreadPoolExecutor:
         with self._pool_lock:
             if self._pool is None:
-                self._pool = started_pool(self.workers, "ckptvault")
+                self._pool = take_pool(self.workers, "ckptvault")
             return self._pool
 
     def close(self) -> None:
         with self._pool_lock:
             if self._pool is not None:
-                self._pool.shutdown(wait=True)
+                release_pool(self._pool)  # kept for the next vault if idle: its threads' buffers are warm
                 self._pool = None
         self.store.close()
 
