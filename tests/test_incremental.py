@@ -16,10 +16,13 @@ import pytest
 import torch
 from torch import nn
 
-from ckptvault import CheckpointManager
+import ckptvault
+from ckptvault import CheckpointManager, DeltaOptions
+from ckptvault._delta import policy
 from ckptvault._delta.policy import KeyframeCache
 from ckptvault._format.chunk_object import chunk_key, parse_object
 from ckptvault._maintenance.gc import collect
+from ckptvault._save import pipeline
 from ckptvault.errors import CorruptChunkError, InvalidArgumentError, PermanentStorageError
 from conftest import assert_same_state
 from helpers.counting_store import CountingStore
@@ -494,22 +497,72 @@ def cached_run(store: CountingStore, states: dict[int, dict[str, Any]],
             mgr.save(step, states[step]).wait()
         read = store.chunk_bytes_read()
         cache = mgr._saver._keyframe_cache
+        raw = sum(c["raw"] for c in mgr.manifest(0)["chunks"])
         if cached is False:
             assert cache is None
-        else:  # the high half of every float32 chunk of the keyframe
-            assert cache is not None and cache.nbytes == sum(c["raw"] for c in mgr.manifest(0)["chunks"]) // 2
+        else:  # every plane of a small keyframe, the high half of every float32 chunk of a large one
+            assert cache is not None and cache.nbytes == (raw if raw <= policy.ALL_PLANES_UP_TO else raw // 2)
         assert len(delta_chunks(mgr.manifest(3))) >= 8
         assert_restores_exactly(mgr, states)
         return read, [mgr.manifest(s) for s in (1, 2, 3)]
 
 
-def test_by_default_an_async_manager_caches_the_keyframe_and_a_sync_one_does_not(tmp_path: Path) -> None:
-    for async_save, expected in ((True, True), (False, False)):
-        with CheckpointManager(tmp_path / f"v{async_save}", chunk_size=CHUNK, async_save=async_save) as mgr:
-            assert (mgr._saver._keyframe_cache is not None) is expected
+@pytest.mark.parametrize("async_save", [True, False])
+def test_by_default_a_manager_caches_a_small_keyframe_and_its_deltas_read_nothing(
+        tmp_path: Path, async_save: bool) -> None:
+    """Synchronous too: one more copy of a small state costs little, and every delta save read the keyframe back."""
+    states = mlp_states(4, lr=1e-3)
+    store = CountingStore(tmp_path / "v")
+    with CheckpointManager(store, chunk_size=CHUNK, async_save=async_save) as mgr:
+        mgr.save(0, states[0]).wait()
+        mgr.wait()
+        assert mgr._saver._keyframe_cache.nbytes == sum(c["raw"] for c in mgr.manifest(0)["chunks"])
+        store.read.clear()
+        for step in (1, 2, 3):
+            mgr.save(step, states[step]).wait()
+        assert store.chunk_bytes_read() == 0 and len(delta_chunks(mgr.manifest(3))) >= 8
+        assert_restores_exactly(mgr, states)
+
+
+def test_by_default_a_sync_manager_does_not_cache_a_large_keyframe(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    states = mlp_states(2, lr=1e-3)
+    monkeypatch.setattr(policy, "ALL_PLANES_UP_TO", 1 << 10)
+    monkeypatch.setattr(pipeline, "ALL_PLANES_UP_TO", 1 << 10)
+    for async_save, cached in ((False, None), (True, None), (False, True)):
+        store = CountingStore(tmp_path / f"v{async_save}{cached}")
+        with CheckpointManager(store, chunk_size=CHUNK, async_save=async_save, cache_keyframe=cached) as mgr:
+            mgr.save(0, states[0]).wait()
+            mgr.wait()
+            raw = sum(c["raw"] for c in mgr.manifest(0)["chunks"])
+            assert mgr._saver._keyframe_cache.nbytes == (0 if not async_save and cached is None else raw // 2)
+            store.read.clear()
+            mgr.save(1, states[1]).wait()
+            assert (store.chunk_bytes_read() > 0) is (not async_save and cached is None)
+            assert_restores_exactly(mgr, states)
+
+
+def test_no_cache_without_deltas_or_with_cache_keyframe_false_nor_in_the_one_call_save(tmp_path: Path) -> None:
     for options in ({"keyframe_every": 1}, {"incremental": False}):  # no delta would ever use it
         with CheckpointManager(tmp_path / "v", cache_keyframe=True, **options) as mgr:
             assert mgr._saver._keyframe_cache is None
+    with CheckpointManager(tmp_path / "v", cache_keyframe=False, async_save=False) as mgr:
+        assert mgr._saver._keyframe_cache is None
+    made = []
+    real = KeyframeCache.begin
+
+    def noted(cache: KeyframeCache, step: int) -> None:
+        made.append(step)
+        real(cache, step)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(KeyframeCache, "begin", noted)
+        ckptvault.save(mlp_states(1)[0], tmp_path / "one", step=0)
+        ckptvault.save(mlp_states(1)[0], tmp_path / "two", step=0, delta=DeltaOptions(keyframe_every=5))
+        ckptvault.save(mlp_states(1)[0], tmp_path / "three", step=0, keyframe_every=5)
+        assert made == []  # the manager ends with the call: no delta after it would use a cache
+        ckptvault.save(mlp_states(1)[0], tmp_path / "four", step=0, cache_keyframe=True)
+        assert made == [0]  # unless asked
 
 
 def test_by_default_a_keyframe_too_large_to_stage_is_not_cached_unless_asked(tmp_path: Path) -> None:
@@ -538,8 +591,10 @@ def test_with_a_cached_keyframe_dense_deltas_read_nothing_and_store_the_same(tmp
 
 
 def test_with_a_cached_keyframe_barely_changed_chunks_read_their_base_and_store_about_the_same(
-        tmp_path: Path) -> None:
-    """lr 1e-5: most high mantissa bytes stay put, so a low plane may XOR to less: those chunks read their base."""
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """lr 1e-5: most high mantissa bytes stay put, so a low plane may XOR to less: chunks of a keyframe too large to
+    cache whole read their base."""
+    monkeypatch.setattr(policy, "ALL_PLANES_UP_TO", 1 << 10)
     states = mlp_states(4)
     (read_plain, plain), (read_cached, cached) = (cached_run(CountingStore(tmp_path / f"v{c}"), states, c)
                                                   for c in (False, True))
@@ -547,6 +602,15 @@ def test_with_a_cached_keyframe_barely_changed_chunks_read_their_base_and_store_
     for plain_manifest, cached_manifest in zip(plain, cached, strict=True):
         assert [c["id"] for c in cached_manifest["chunks"]] == [c["id"] for c in plain_manifest["chunks"]]
         assert cached_manifest["added_bytes"] <= 1.02 * plain_manifest["added_bytes"]
+
+
+def test_with_a_small_cached_keyframe_barely_changed_chunks_read_nothing_and_store_the_same(tmp_path: Path) -> None:
+    """Every plane of a small keyframe is cached: a low plane that XORs to less is XORed without a read."""
+    states = mlp_states(4)
+    (read_plain, plain), (read_cached, cached) = (cached_run(CountingStore(tmp_path / f"v{c}"), states, c)
+                                                  for c in (False, True))
+    assert read_plain > 0 and read_cached == 0
+    assert [m["chunks"] for m in cached] == [m["chunks"] for m in plain]
 
 
 def test_the_next_keyframe_reuses_the_cache_memory_and_its_deltas_use_the_new_planes(tmp_path: Path) -> None:
@@ -581,10 +645,10 @@ def test_a_keyframe_save_reports_its_commit_before_it_fills_the_keyframe_cache(
     release, filling = threading.Event(), threading.Event()
     kept = KeyframeCache._kept
 
-    def gated(cache: KeyframeCache, item: Any) -> Any:
+    def gated(cache: KeyframeCache, item: Any, every_plane: bool) -> Any:
         filling.set()
         assert release.wait(30), "the test never released the fill"
-        return kept(cache, item)
+        return kept(cache, item, every_plane)
 
     monkeypatch.setattr(KeyframeCache, "_kept", gated)
     store = CountingStore(tmp_path / "v")
@@ -595,7 +659,7 @@ def test_a_keyframe_save_reports_its_commit_before_it_fills_the_keyframe_cache(
         assert filling.wait(20) and cache.nbytes == 0
         release.set()
         mgr.wait()
-        assert cache.nbytes == sum(c["raw"] for c in mgr.manifest(0)["chunks"]) // 2
+        assert cache.nbytes == sum(c["raw"] for c in mgr.manifest(0)["chunks"])
         store.read.clear()
         mgr.save(1, states[1]).wait()
         assert delta_chunks(mgr.manifest(1)) and store.chunk_bytes_read() == 0
@@ -606,7 +670,7 @@ def test_a_keyframe_cache_that_cannot_be_filled_costs_its_deltas_reads_not_the_s
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     states = mlp_states(2, lr=1e-3)
 
-    def out_of_memory(cache: KeyframeCache, item: Any) -> Any:
+    def out_of_memory(cache: KeyframeCache, item: Any, every_plane: bool) -> Any:
         raise MemoryError("injected: no memory for the keyframe cache")
 
     monkeypatch.setattr(KeyframeCache, "_kept", out_of_memory)

@@ -14,6 +14,7 @@ underscore are internal and may change in any release.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from typing import Any
 
@@ -73,6 +74,11 @@ def save(state: Any, url: Any, step: int, **options: Any) -> CheckpointInfo | No
         raise errors.InvalidArgumentError("ckptvault.save() is synchronous and takes no async_save; for saves that "
                                           "return before they are written, use CheckpointManager(...).save()")
     save_kwargs = {k: options.pop(k) for k in _SAVE_KEYWORDS & set(options)}
+    delta = options.get("delta")
+    if isinstance(delta, DeltaOptions) and delta.cache_keyframe is None:
+        options["delta"] = dataclasses.replace(delta, cache_keyframe=False)
+    elif delta is None and "cache_keyframe" not in options:
+        options["cache_keyframe"] = False  # the manager ends with this save: no later delta would use it
     with CheckpointManager(url, async_save=False, **options) as mgr:
         return mgr.save(step, state, **save_kwargs).wait()
 

@@ -34,10 +34,12 @@ class DeltaOptions:
     A keyframe (stored without deltas) is written every ``keyframe_every`` checkpoints, or when the previous
     checkpoint added more than ``keyframe_growth`` x the keyframe's stored bytes; the checkpoints between store
     changed chunks as deltas against it, so restoring any checkpoint reads at most one base chunk per chunk.
-    ``cache_keyframe`` keeps the high byte planes of the latest keyframe's chunks in host memory (half the state's
-    bytes for float32) so that delta saves encode against them instead of reading the keyframe back: ``None``
-    (the default) keeps it for asynchronous saves, whose staging copy is host memory already; ``True`` always;
-    ``False`` never. Figures: docs/benchmarks/incremental.md.
+    ``cache_keyframe`` keeps the byte planes of the latest keyframe's chunks in host memory so that delta saves
+    encode against them instead of reading the keyframe back: all of them for a keyframe of up to 64 MiB, the high
+    planes of a larger one (half the state's bytes for float32). ``None`` (the default) keeps it for asynchronous
+    saves, whose staging copy is host memory already, and for synchronous saves of states up to 64 MiB (not for
+    the one-call ``ckptvault.save()``, which saves no delta afterwards); ``True`` always; ``False`` never. Figures:
+    docs/benchmarks/incremental.md.
 
     ``predict=True``: a checkpoint saved one optimizer step after the previous one stores the weights and moments
     of Adam, AdamW and SGD (momentum, Nesterov) optimizers in the state as their difference from their prediction

@@ -81,16 +81,17 @@ class DeltaPolicy:
 
 
 class KeyframeCache:
-    """The high byte planes of the latest keyframe's chunks, kept in host memory so that deltas need no reads of it.
+    """The byte planes of the latest keyframe's chunks, kept in host memory so that deltas need no reads of it.
 
     Without it, every delta save reads its keyframe's chunks back from the store (a GET per chunk on S3),
-    checks them and splits them into planes. With it, a keyframe save keeps the high planes of each chunk
-    (:func:`kept_planes`: for float32, the sign-and-exponent plane and the high mantissa plane; half the
-    state's bytes) and later delta saves against that keyframe XOR against those. The low planes are not
-    kept: between nearby float states they are noise, which a delta stores on its own anyway (figures:
-    docs/benchmarks/incremental.md); a delta against the cache stores them on
-    their own, unless the chunk barely changed (``_codecs/xplanes.py``, ``BARELY_CHANGED``: rows a sparse
-    optimizer did not touch), when it reads the whole base instead.
+    checks them and splits them into planes. With it, a keyframe save keeps the planes of each chunk and later
+    delta saves against that keyframe XOR against those: every plane of a keyframe of at most
+    :data:`ALL_PLANES_UP_TO` bytes, else only the high planes (:func:`kept_planes`: for float32, the
+    sign-and-exponent plane and the high mantissa plane; half the state's bytes). The low planes of a large
+    keyframe are not kept: between nearby float states they are noise, which a delta stores on its own anyway
+    (figures: docs/benchmarks/incremental.md); a delta against the cache stores them on their own, unless the
+    chunk barely changed (``_codecs/xplanes.py``, ``BARELY_CHANGED``: rows a sparse optimizer did not touch),
+    when it reads the whole base instead.
 
     Call order, one save at a time: :meth:`begin` when a keyframe save starts (frees the previous
     keyframe's planes first), :meth:`add` per chunk (it only notes the chunk's bytes), then, once its
@@ -133,8 +134,9 @@ class KeyframeCache:
         if self._filling != step:
             return
         noted = list(self._noted.items())
+        every_plane = sum(len(raw) for _typesize, raw in self._noted.values()) <= ALL_PLANES_UP_TO
         try:
-            kept = map_all(pool, self._kept, noted)
+            kept = map_all(pool, lambda item: self._kept(item, every_plane), noted)
         except BaseException:
             self.abort()
             raise
@@ -142,11 +144,12 @@ class KeyframeCache:
             self._chunks = {cid: (typesize, planes) for (cid, (typesize, _raw)), planes in zip(noted, kept, strict=True)}
             self._step, self._filling, self._noted, self._spare = step, None, {}, {}
 
-    def _kept(self, item: tuple[str, tuple[int, memoryview]]) -> np.ndarray:
-        """The high planes of a noted chunk, in a spare array of the previous keyframe where one has their shape."""
+    def _kept(self, item: tuple[str, tuple[int, memoryview]], every_plane: bool) -> np.ndarray:
+        """The planes of a noted chunk to keep (``every_plane``, or the high ones), in a spare array of the previous
+        keyframe where one has their shape."""
         _cid, (typesize, raw) = item
         planes = split_planes(raw, typesize, scratch(len(raw), "planes"))[0]  # this thread's; copied below
-        high = planes[typesize - kept_planes(typesize):]
+        high = planes[typesize - (typesize if every_plane else kept_planes(typesize)):]
         with self._lock:
             spare = self._spare.get(high.shape)
             into = spare.pop() if spare else None
@@ -179,9 +182,14 @@ def _copied(source: np.ndarray, into: np.ndarray) -> np.ndarray:
     return into
 
 
+#: the keyframe cache keeps every byte plane of a keyframe of at most this many bytes (raw): deltas against a
+#: small state then never read their keyframe back, for the memory of one more copy of it
+ALL_PLANES_UP_TO = 64 << 20
+
+
 def kept_planes(typesize: int) -> int:
-    """How many of a chunk's byte planes (the highest) the keyframe cache keeps: all of 1- and 2-byte
-    elements, the upper half of wider ones."""
+    """How many of a chunk's byte planes (the highest) the keyframe cache keeps of a keyframe larger than
+    :data:`ALL_PLANES_UP_TO`: all of 1- and 2-byte elements, the upper half of wider ones."""
     return typesize if typesize <= 2 else (typesize + 1) // 2
 
 

@@ -30,7 +30,7 @@ from typing import Any, Protocol
 
 from .._argcheck import check_kind
 from .._codecs.lossy import LossySafety
-from .._delta.policy import DeltaPolicy, KeyframeCache, ManifestCache, delta_context
+from .._delta.policy import ALL_PLANES_UP_TO, DeltaPolicy, KeyframeCache, ManifestCache, delta_context
 from .._delta.predict import Predictor
 from .._parallel import pause_collector, resume_collector
 from .._vault import Vault
@@ -78,9 +78,10 @@ class Saver(InFlight):
         self.safety = safety or LossySafety()
         self._staging = StagingBuffer()
         self._lossy_buffers = LossyBuffers()  # with the staging buffer: asynchronous saves reuse their memory
-        # None: keep it while saving asynchronously, where the staging buffer already holds a copy of the state
+        # None: keep it for the keyframes an asynchronous save stages (the staging buffer holds a copy of the state
+        # already) and for those of at most ALL_PLANES_UP_TO bytes a synchronous save writes (:meth:`_caches`)
         self.cache_keyframe = cache_keyframe
-        wanted = async_save if cache_keyframe is None else cache_keyframe
+        wanted = cache_keyframe is not False
         deltas = delta_policy.enabled and delta_policy.every > 1  # every=1: every checkpoint is a keyframe
         self._keyframe_cache = KeyframeCache() if wanted and deltas else None
         self._predictor = predictor if deltas else None
@@ -131,9 +132,9 @@ class Saver(InFlight):
             delta = delta_context(self.vault, self.delta_policy, request.step, self._manifests)
             delta.cache = self._keyframe_cache
             if delta.cache is not None and delta.keyframe is None:
-                if snapshot.staged or self.cache_keyframe:
+                if self._caches(snapshot):
                     delta.cache.begin(request.step)
-                else:  # by default not for a state too large to stage (max_staging_bytes): memory is short
+                else:
                     delta.cache.clear()
             buffers = self._lossy_buffers if snapshot.staged else None
             snapshot = apply_lossy(snapshot, self.safety, request.lossless, self.vault, delta.keyframe, buffers)
@@ -165,6 +166,17 @@ class Saver(InFlight):
         self._commit_keyframe_cache(request.step)
         self._keep_for_next_save(manifest)
         self.run_after_commit(request.step)
+
+    def _caches(self, snapshot: Snapshot) -> bool:
+        """Whether the keyframe ``snapshot`` holds goes into the keyframe cache: always or never where
+        ``cache_keyframe`` says so; by default, for an asynchronous save if it is staged (a state too large to stage,
+        ``max_staging_bytes``, says memory is short), for a synchronous one if it is small (``ALL_PLANES_UP_TO``:
+        one more copy of it costs little, and each delta save would read it back otherwise)."""
+        if self.cache_keyframe is not None:
+            return self.cache_keyframe
+        if self.async_save:
+            return snapshot.staged
+        return sum(len(view) for view in snapshot.views) <= ALL_PLANES_UP_TO
 
     def _commit_keyframe_cache(self, step: int) -> None:
         """Fill the keyframe cache from committed keyframe ``step``'s chunks (if it was filling), on the vault's
