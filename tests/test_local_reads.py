@@ -28,10 +28,19 @@ pytestmark = pytest.mark.skipif(not local._can_map, reason="mapped reads need Li
 
 @pytest.fixture(autouse=True)
 def _fresh_reader(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Each test reads as a new thread does (none of its reads mapped yet); one that turns mapped reads off (as a
-    kernel without MADV_POPULATE_READ does) turns them off for itself."""
+    """Each test reads as a new thread does (none of its reads mapped yet, no read buffer); one that turns mapped
+    reads off (as a kernel without MADV_POPULATE_READ does) turns them off for itself."""
     monkeypatch.setattr(local, "_can_map", local._can_map)
     monkeypatch.setattr(local._buffers, "large_reads", 0, raising=False)
+    monkeypatch.setattr(local._buffers, "read", None, raising=False)
+
+
+def drop_cached(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
 
 
 def test_a_large_object_is_read_through_a_read_only_mapping_and_a_small_one_into_the_buffer(tmp_path: Path) -> None:
@@ -59,19 +68,26 @@ def test_a_thread_maps_its_first_large_reads_then_reads_into_its_buffer(tmp_path
     assert all(bytes(view) == data for view in reads[: local.MAPPED_READS]) and bytes(reads[-1]) == data
 
 
-def test_a_file_the_page_cache_does_not_hold_whole_is_read_not_mapped(tmp_path: Path) -> None:
-    """Faults read a mapping in far smaller pieces than one read(2) asks for: a file the disk must supply is read."""
+def test_a_file_the_page_cache_does_not_hold_whole_is_read_once_the_thread_has_a_buffer_for_it(
+        tmp_path: Path) -> None:
+    """Faults read a mapping in smaller pieces than one read(2) asks for: a file the disk must supply is read into
+    the thread's buffer once that is there. Before, the buffer would be new memory, slower to fault in than the
+    mapping's smaller reads: the file is mapped."""
     store = LocalStore(tmp_path / "v")
     data = os.urandom(2 * MAP_FROM)
     store.put("chunks/a", data)  # the store drops what it wrote from the page cache once it is durable
     path = tmp_path / "v" / "chunks" / "a"
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-    first = store.get_transient("chunks/a")
-    assert not first.readonly and bytes(first) == data
+    drop_cached(path)
+    first = store.get_transient("chunks/a")  # no buffer yet: mapped, cold as it is
+    assert first.readonly and bytes(first) == data
+    store.put("chunks/b", os.urandom(2 * MAP_FROM))
+    local._buffers.large_reads = local.MAPPED_READS  # this thread's mapped reads are spent: the next read takes a buffer
+    assert not store.get_transient("chunks/b").readonly
+    local._buffers.large_reads = 0
+    del first  # unmapped: its pages may leave the page cache now
+    drop_cached(path)
+    second = store.get_transient("chunks/a")  # a buffer large enough is there: read into it
+    assert not second.readonly and bytes(second) == data
     assert store.get_transient("chunks/a").readonly  # read once, the file is cached whole: mapped
 
 
@@ -110,8 +126,8 @@ def test_restores_read_the_same_bytes_and_find_the_same_damage_either_way(tmp_pa
     maps: list[int] = []
     real_map = local._map_populated
 
-    def counted(fd: int, size: int, key: str) -> memoryview | None:
-        view = real_map(fd, size, key)
+    def counted(fd: int, size: int, key: str, cold: bool = False) -> memoryview | None:
+        view = real_map(fd, size, key, cold)
         maps.append(view is not None)
         return view
 

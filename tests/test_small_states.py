@@ -119,9 +119,9 @@ print(json.dumps({{
 
 @pytest.mark.parametrize("typesize", [2, 4, 8])
 def test_numpy_loops_match_the_kernels_across_blocks(typesize: int) -> None:
-    """The numpy split and join work block by block (``NUMPY_BLOCK`` elements); over several blocks and a
-    partial last one they give the planes the kernels give, and join them back to the same bytes."""
-    count = 2 * planes.NUMPY_BLOCK + 123
+    """The numpy split and join work block by block (``SPLIT_BLOCK`` and ``NUMPY_BLOCK`` elements); over several
+    blocks and a partial last one they give the planes the kernels give, and join them back to the same bytes."""
+    count = 2 * max(planes.SPLIT_BLOCK, planes.NUMPY_BLOCK) + 123
     raw = np.random.default_rng(typesize).integers(0, 256, typesize * count + 1, dtype=np.uint8).tobytes()
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(planes, "_kernels", False)

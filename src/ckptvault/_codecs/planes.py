@@ -195,16 +195,19 @@ def split_planes(data: bytes | memoryview, typesize: int, out: np.ndarray | None
     return planes, arr[whole:]
 
 
-#: elements per block of the numpy loops: their temporaries stay in the CPU's cache (and need no fresh memory)
+#: elements per block of the numpy join: its temporaries stay in the CPU's cache (and need no fresh memory)
 NUMPY_BLOCK = 1 << 15
+#: elements per block of the numpy split. Larger: each numpy call releases the GIL and takes it back, and a save
+#: splits chunks on several threads that contend for it, where fewer, longer calls wait less in all
+SPLIT_BLOCK = 1 << 18
 
 
 def _split_numpy(words: np.ndarray, planes: np.ndarray) -> None:
-    """What ``plane_kernels.split`` does, with numpy: per block of :data:`NUMPY_BLOCK` words, shift, then
+    """What ``plane_kernels.split`` does, with numpy: per block of :data:`SPLIT_BLOCK` words, shift, then
     truncate into each plane."""
-    shifted = scratch(min(len(words), NUMPY_BLOCK) * words.itemsize, "split").view(words.dtype)
-    for lo in range(0, len(words), NUMPY_BLOCK):
-        block = words[lo : lo + NUMPY_BLOCK]
+    shifted = scratch(min(len(words), SPLIT_BLOCK) * words.itemsize, "split").view(words.dtype)
+    for lo in range(0, len(words), SPLIT_BLOCK):
+        block = words[lo : lo + SPLIT_BLOCK]
         rows, tmp = planes[:, lo : lo + len(block)], shifted[: len(block)]
         rows[0] = block
         for k in range(1, words.itemsize):

@@ -32,13 +32,14 @@ system accepts it). Reads stay buffered.
 
 A thread's first few reads of chunk objects (:meth:`LocalStore.get_transient`)
 of :data:`MAP_FROM` bytes or more map the file read-only where the page cache
-holds it whole (``mincore``), and fault it in with one
+holds it whole (``mincore``) or where the thread's read buffer would be new
+memory, and fault it in with one
 ``madvise(MADV_POPULATE_READ)`` (Linux 5.14+), which reports an I/O error as an
 error: no copy out of the page cache and no fresh memory to fault in, which is
 most of a small restore's cost in a new process. Later reads go into the
 thread's buffer, faulted in by then, which a copy fills faster than a mapping
-is set up and torn down; a file the disk must supply is always read with
-``read``, whose large requests a mapping's faults do not match. A file
+is set up and torn down; a file the disk must supply is read with ``read``,
+whose large requests a mapping's faults do not match, once that buffer is there. A file
 truncated from outside while it is mapped ends the process with SIGBUS
 (ckptvault never rewrites an object; a delete leaves the mapping whole).
 
@@ -464,17 +465,19 @@ class LocalStore(Store):
     def get_transient(self, key: str, max_size: int | None = None) -> memoryview:
         """The object's bytes, for a reader that is done with them (and with views of them) before this thread's
         next call. Of a thread's first :data:`MAPPED_READS` reads of :data:`MAP_FROM` bytes or more, those of
-        objects the page cache holds whole are mapped read-only, their pages faulted in with one call
-        (:func:`_map_populated`): no copy, and no fresh memory to fault in, which a new buffer would need (slow,
-        above all in a new process). Every other object is read into this thread's reusable read buffer, which,
-        once faulted in, a copy fills faster than a mapping is set up and torn down."""
+        objects the page cache holds whole, and any that this thread's read buffer is too small for, are mapped
+        read-only, their pages faulted in with one call (:func:`_map_populated`): no copy, and no fresh memory to
+        fault in, which a new buffer would need (slow, above all in a new process). Every other object is read into
+        this thread's reusable read buffer, which, once faulted in, a copy fills faster than a mapping is set up and
+        torn down."""
         with _classified(key), open(self._open_object(key), "rb", buffering=0) as f:
             size = os.fstat(f.fileno()).st_size
             check_size(self, key, size, max_size)
             large_reads = getattr(_buffers, "large_reads", 0)
             if size >= MAP_FROM and large_reads < MAPPED_READS:
                 _buffers.large_reads = large_reads + 1
-                mapped = _map_populated(f.fileno(), size, key)
+                held = getattr(_buffers, "read", None)
+                mapped = _map_populated(f.fileno(), size, key, cold=held is None or len(held) < size)
                 if mapped is not None:
                     return mapped
             buffer = _thread_buffer("read", size)
@@ -830,11 +833,13 @@ _mincore = _linux_call("mincore", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_ch
 _can_map = _mincore is not None and hasattr(mmap, "MAP_SHARED")
 
 
-def _map_populated(fd: int, size: int, key: str) -> memoryview | None:
+def _map_populated(fd: int, size: int, key: str, cold: bool = False) -> memoryview | None:
     """A read-only view of the open file ``fd``'s ``size`` bytes, mapped with every page in memory, if the page
-    cache holds all of them; else None and the caller reads the file, as it does where mapped reads are not
-    available (found once: then no later call tries). A file the disk must supply is read, never mapped: faults
-    read a mapping in far smaller pieces than one ``read`` of the file asks for."""
+    cache holds all of them or ``cold`` allows the disk to supply them; else None and the caller reads the file,
+    as it does where mapped reads are not available (found once: then no later call tries). A file the disk must
+    supply is mapped only where the caller's buffer would be new memory (``cold``): faults read a mapping in smaller
+    pieces than one ``read`` of the file asks for, which costs less than faulting in a new buffer, not more than
+    copying into a warm one. Such a file is asked for whole first (``WILLNEED``)."""
     global _can_map
     if not _can_map:
         return None
@@ -844,7 +849,10 @@ def _map_populated(fd: int, size: int, key: str) -> memoryview | None:
         log.debug("could not map %s (%s): reading it", key, exc)
         return None
     try:
-        if not _all_cached(mapped, size):
+        if cold:
+            if _CAN_PREFETCH:
+                os.posix_fadvise(fd, 0, size, os.POSIX_FADV_WILLNEED)
+        elif not _all_cached(mapped, size):
             mapped.close()
             return None
         mapped.madvise(_MADV_POPULATE_READ)
