@@ -507,13 +507,10 @@ def cached_run(store: CountingStore, states: dict[int, dict[str, Any]],
         return read, [mgr.manifest(s) for s in (1, 2, 3)]
 
 
-@pytest.mark.parametrize("async_save", [True, False])
-def test_by_default_a_manager_caches_a_small_keyframe_and_its_deltas_read_nothing(
-        tmp_path: Path, async_save: bool) -> None:
-    """Synchronous too: one more copy of a small state costs little, and every delta save read the keyframe back."""
+def test_by_default_an_async_manager_caches_a_small_keyframe_whole_and_its_deltas_read_nothing(tmp_path: Path) -> None:
     states = mlp_states(4, lr=1e-3)
     store = CountingStore(tmp_path / "v")
-    with CheckpointManager(store, chunk_size=CHUNK, async_save=async_save) as mgr:
+    with CheckpointManager(store, chunk_size=CHUNK) as mgr:
         mgr.save(0, states[0]).wait()
         mgr.wait()
         assert mgr._saver._keyframe_cache.nbytes == sum(c["raw"] for c in mgr.manifest(0)["chunks"])
@@ -524,45 +521,87 @@ def test_by_default_a_manager_caches_a_small_keyframe_and_its_deltas_read_nothin
         assert_restores_exactly(mgr, states)
 
 
-def test_by_default_a_sync_manager_does_not_cache_a_large_keyframe(
+def test_by_default_a_sync_manager_keeps_the_small_keyframe_chunks_its_first_delta_read(tmp_path: Path) -> None:
+    """The keyframe save copies nothing (its caller would wait for that); the first delta save reads each base chunk
+    it needs once, as before, and keeps it; later deltas against that keyframe read nothing. The next keyframe's
+    deltas read its chunks, into the same memory."""
+    states = mlp_states(8, lr=1e-3)
+    store = CountingStore(tmp_path / "v")
+    with CheckpointManager(store, chunk_size=CHUNK, async_save=False, keyframe_every=3, keyframe_growth=10) as mgr:
+        cache = mgr._saver._keyframe_cache
+
+        def buffers() -> set[int]:
+            return {kept.ctypes.data for _typesize, kept in cache._chunks.values()}
+
+        mgr.save(1, states[1])
+        assert cache.nbytes == 0
+        reads, first = {}, set()
+        for step in range(2, 8):
+            store.read.clear()
+            mgr.save(step, states[step])
+            reads[step] = store.chunk_bytes_read()
+            first = first or buffers()
+        assert [mgr.manifest(s)["keyframe_step"] for s in range(1, 8)] == [1, 1, 1, 4, 4, 4, 7]
+        assert reads[2] > 0 and reads[3] == 0  # step 2 read keyframe 1's chunks, step 3 nothing
+        assert reads[5] > 0 and reads[6] == 0  # step 5 read keyframe 4's chunks, into the same memory
+        assert cache._step == 4 and buffers() == first
+        assert len(delta_chunks(mgr.manifest(6))) >= 8
+        assert_restores_exactly(mgr, {s: states[s] for s in range(1, 8)})
+
+
+def test_by_default_large_keyframes_are_cached_in_halves_and_not_kept_by_sync_deltas(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    states = mlp_states(2, lr=1e-3)
+    states = mlp_states(4, lr=1e-3)
     monkeypatch.setattr(policy, "ALL_PLANES_UP_TO", 1 << 10)
     monkeypatch.setattr(pipeline, "ALL_PLANES_UP_TO", 1 << 10)
     for async_save, cached in ((False, None), (True, None), (False, True)):
         store = CountingStore(tmp_path / f"v{async_save}{cached}")
-        with CheckpointManager(store, chunk_size=CHUNK, async_save=async_save, cache_keyframe=cached) as mgr:
-            mgr.save(0, states[0]).wait()
-            mgr.wait()
-            raw = sum(c["raw"] for c in mgr.manifest(0)["chunks"])
-            assert mgr._saver._keyframe_cache.nbytes == (0 if not async_save and cached is None else raw // 2)
-            store.read.clear()
+        with CheckpointManager(store, chunk_size=CHUNK, async_save=async_save, cache_keyframe=cached,
+                               keyframe_growth=10) as mgr:
             mgr.save(1, states[1]).wait()
-            assert (store.chunk_bytes_read() > 0) is (not async_save and cached is None)
-            assert_restores_exactly(mgr, states)
+            mgr.wait()
+            raw = sum(c["raw"] for c in mgr.manifest(1)["chunks"])
+            kept = raw // 2 if async_save or cached else 0
+            assert mgr._saver._keyframe_cache.nbytes == kept
+            for step in (2, 3):
+                store.read.clear()
+                mgr.save(step, states[step]).wait()
+                assert delta_chunks(mgr.manifest(step))
+                assert (store.chunk_bytes_read() > 0) is (kept == 0)
+            assert mgr._saver._keyframe_cache.nbytes == kept
+            assert_restores_exactly(mgr, {s: states[s] for s in (1, 2, 3)})
 
 
-def test_no_cache_without_deltas_or_with_cache_keyframe_false_nor_in_the_one_call_save(tmp_path: Path) -> None:
+def test_no_cache_without_deltas_or_with_cache_keyframe_false_nor_in_the_one_call_save(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     for options in ({"keyframe_every": 1}, {"incremental": False}):  # no delta would ever use it
         with CheckpointManager(tmp_path / "v", cache_keyframe=True, **options) as mgr:
             assert mgr._saver._keyframe_cache is None
     with CheckpointManager(tmp_path / "v", cache_keyframe=False, async_save=False) as mgr:
         assert mgr._saver._keyframe_cache is None
-    made = []
-    real = KeyframeCache.begin
+    kept: list[str] = []
+    real_begin, real_keep = KeyframeCache.begin, KeyframeCache.keep_read
 
-    def noted(cache: KeyframeCache, step: int) -> None:
-        made.append(step)
-        real(cache, step)
+    def begin(cache: KeyframeCache, step: int) -> None:
+        kept.append(f"begin {step}")
+        real_begin(cache, step)
 
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(KeyframeCache, "begin", noted)
-        ckptvault.save(mlp_states(1)[0], tmp_path / "one", step=0)
-        ckptvault.save(mlp_states(1)[0], tmp_path / "two", step=0, delta=DeltaOptions(keyframe_every=5))
-        ckptvault.save(mlp_states(1)[0], tmp_path / "three", step=0, keyframe_every=5)
-        assert made == []  # the manager ends with the call: no delta after it would use a cache
-        ckptvault.save(mlp_states(1)[0], tmp_path / "four", step=0, cache_keyframe=True)
-        assert made == [0]  # unless asked
+    def keep_read(cache: KeyframeCache, step: int, *args: Any) -> None:
+        kept.append(f"read {step}")
+        real_keep(cache, step, *args)
+
+    monkeypatch.setattr(KeyframeCache, "begin", begin)
+    monkeypatch.setattr(KeyframeCache, "keep_read", keep_read)
+    states = mlp_states(4, lr=1e-3)
+    for n, options in enumerate(({"keyframe_growth": 10}, {"delta": DeltaOptions(keyframe_every=5, keyframe_growth=10)},
+                                 {"keyframe_every": 5, "keyframe_growth": 10})):
+        for step in (1, 2, 3):  # a keyframe, then deltas that read it back
+            ckptvault.save(states[step], tmp_path / f"one{n}", step=step, chunk_size=CHUNK, **options)
+        with CheckpointManager(tmp_path / f"one{n}") as mgr:
+            assert delta_chunks(mgr.manifest(3))
+    assert kept == []  # each call's manager ends with it: no later delta would use a cache
+    ckptvault.save(states[1], tmp_path / "asked", step=1, cache_keyframe=True)
+    assert kept == ["begin 1"]  # unless asked
 
 
 def test_by_default_a_keyframe_too_large_to_stage_is_not_cached_unless_asked(tmp_path: Path) -> None:

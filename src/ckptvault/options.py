@@ -37,8 +37,9 @@ class DeltaOptions:
     ``cache_keyframe`` keeps the byte planes of the latest keyframe's chunks in host memory so that delta saves
     encode against them instead of reading the keyframe back: all of them for a keyframe of up to 64 MiB, the high
     planes of a larger one (half the state's bytes for float32). ``None`` (the default) keeps it for asynchronous
-    saves, whose staging copy is host memory already, and for synchronous saves of states up to 64 MiB (not for
-    the one-call ``ckptvault.save()``, which saves no delta afterwards); ``True`` always; ``False`` never. Figures:
+    saves, whose staging copy is host memory already, filled when the keyframe is committed; for synchronous saves
+    of states up to 64 MiB, it keeps the keyframe chunks their delta saves read back, so each is read once per
+    keyframe; ``True`` always, filled when the keyframe is committed; ``False`` never. Figures:
     docs/benchmarks/incremental.md.
 
     ``predict=True``: a checkpoint saved one optimizer step after the previous one stores the weights and moments

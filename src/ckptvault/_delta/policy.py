@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -93,9 +94,12 @@ class KeyframeCache:
     chunk barely changed (``_codecs/xplanes.py``, ``BARELY_CHANGED``: rows a sparse optimizer did not touch),
     when it reads the whole base instead.
 
-    Call order, one save at a time: :meth:`begin` when a keyframe save starts (frees the previous
-    keyframe's planes first), :meth:`add` per chunk (it only notes the chunk's bytes), then, once its
-    manifest is committed, :meth:`commit`, which splits and copies the noted chunks' planes; or :meth:`abort`.
+    It fills in one of two ways. From a keyframe save (asynchronous saves): call order, one save at a time:
+    :meth:`begin` when a keyframe save starts (frees the previous keyframe's planes first), :meth:`add` per chunk
+    (it only notes the chunk's bytes), then, once its manifest is committed, :meth:`commit`, which splits and copies
+    the noted chunks' planes; or :meth:`abort`. From delta saves (synchronous saves of small states, whose caller
+    would wait for that copy at each keyframe): :meth:`keep_read` keeps each keyframe chunk a delta save read back
+    and verified, so each is read once per keyframe instead of once per delta save.
     :meth:`clear` frees it all. Only a committed keyframe's planes are ever used. The bytes :meth:`add` noted
     must stay unchanged until :meth:`commit` returns (the staging buffer, or a state the caller is not yet
     allowed to modify): the saver commits the cache after the save's handle reports the commit, before the
@@ -155,6 +159,24 @@ class KeyframeCache:
             into = spare.pop() if spare else None
         return high.copy() if into is None else _copied(high, into)
 
+    def keep_read(self, step: int, cid: str, typesize: int, planes: Sequence[np.ndarray]) -> None:
+        """Keep a copy of every byte plane of chunk ``cid`` of committed keyframe ``step``, as a delta save read it
+        back and checked it against its name, for later deltas against that keyframe. Planes of another keyframe
+        are dropped first (their memory reused where shapes match). Ignored while a keyframe save fills the cache."""
+        with self._lock:
+            if self._filling is not None or (self._step == step and cid in self._chunks):
+                return
+            if self._step != step:
+                for _typesize, kept in self._chunks.values():
+                    self._spare.setdefault(kept.shape, []).append(kept)
+                self._chunks, self._step = {}, step
+            spare = self._spare.get((typesize, len(planes[0])))
+            into = spare.pop() if spare else None
+        copy = _stacked(planes, into)
+        with self._lock:
+            if self._step == step and self._filling is None:
+                self._chunks[cid] = (typesize, copy)
+
     def abort(self) -> None:
         with self._lock:
             self._chunks, self._noted, self._filling, self._spare = {}, {}, None, {}
@@ -179,6 +201,15 @@ class KeyframeCache:
 
 def _copied(source: np.ndarray, into: np.ndarray) -> np.ndarray:
     np.copyto(into, source)
+    return into
+
+
+def _stacked(planes: Sequence[np.ndarray], into: np.ndarray | None) -> np.ndarray:
+    """``planes`` copied into the rows of ``into`` (new memory if None)."""
+    if into is None:
+        return np.stack(planes)
+    for row, plane in zip(into, planes, strict=True):
+        row[:] = plane
     return into
 
 
@@ -213,6 +244,7 @@ class DeltaContext:
     cache: KeyframeCache | None = None
     guard: ManifestGuard = field(default_factory=ManifestGuard)
     latest: Manifest | None = None
+    keep_reads: bool = False  # keep the keyframe chunks this delta save reads back in ``cache`` (keep_read)
 
     @property
     def keyframe_step(self) -> int | None:

@@ -122,6 +122,7 @@ class _ChunkWriter:
         self.known_bases, self.keyframe_step, self.guard = delta.known_bases, delta.keyframe_step, delta.guard
         self.known_stored = delta.known_stored
         self.cache = delta.cache  # a keyframe save fills it (it ignores adds otherwise); delta saves read it
+        self.keep_reads = delta.keep_reads  # and with this, keep in it the keyframe chunks they read back
         self._claimed: dict[str, threading.Event] = {}
         self._done: dict[str, tuple[int, str | None]] = {}
         self._misses = 0  # probes in a row that found nothing
@@ -229,7 +230,10 @@ class _ChunkWriter:
         delta needs it there)."""
         cached = None if self.cache is None else self.cache.planes(self.keyframe_step, base_id, typesize)
         if cached is None:
-            return base_planes_for_save(self.vault.store, base_id, typesize, max_raw=self.vault.chunk_size())
+            planes = base_planes_for_save(self.vault.store, base_id, typesize, max_raw=self.vault.chunk_size())
+            if self.cache is not None and self.keep_reads and self.keyframe_step is not None:
+                self.cache.keep_read(self.keyframe_step, base_id, typesize, planes)
+            return planes
         self.vault.store.stat(chunk_key(base_id))  # no touch checked that it is there (guard.py)
         return cached
 

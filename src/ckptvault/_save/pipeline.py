@@ -78,8 +78,9 @@ class Saver(InFlight):
         self.safety = safety or LossySafety()
         self._staging = StagingBuffer()
         self._lossy_buffers = LossyBuffers()  # with the staging buffer: asynchronous saves reuse their memory
-        # None: keep it for the keyframes an asynchronous save stages (the staging buffer holds a copy of the state
-        # already) and for those of at most ALL_PLANES_UP_TO bytes a synchronous save writes (:meth:`_caches`)
+        # None: keep the keyframes an asynchronous save stages (the staging buffer holds a copy of the state already)
+        # and, for synchronous saves, the chunks of keyframes of at most ALL_PLANES_UP_TO bytes that their deltas
+        # read back (:meth:`_caches`, :meth:`_keeps_reads`)
         self.cache_keyframe = cache_keyframe
         wanted = cache_keyframe is not False
         deltas = delta_policy.enabled and delta_policy.every > 1  # every=1: every checkpoint is a keyframe
@@ -131,11 +132,14 @@ class Saver(InFlight):
         try:
             delta = delta_context(self.vault, self.delta_policy, request.step, self._manifests)
             delta.cache = self._keyframe_cache
-            if delta.cache is not None and delta.keyframe is None:
+            if delta.cache is not None and delta.keyframe is not None:
+                delta.keep_reads = self._keeps_reads(sum(chunk.raw for chunk in delta.keyframe.chunks))
+            elif delta.cache is not None:
                 if self._caches(snapshot):
                     delta.cache.begin(request.step)
-                else:
+                elif not self._keeps_reads(sum(len(view) for view in snapshot.views)):
                     delta.cache.clear()
+                # else the previous keyframe's planes stay until this one's deltas read it: they reuse the memory
             buffers = self._lossy_buffers if snapshot.staged else None
             snapshot = apply_lossy(snapshot, self.safety, request.lossless, self.vault, delta.keyframe, buffers)
             if self._predictor is not None:  # keyframes are never predicted: each one ends the restore chains
@@ -168,15 +172,22 @@ class Saver(InFlight):
         self.run_after_commit(request.step)
 
     def _caches(self, snapshot: Snapshot) -> bool:
-        """Whether the keyframe ``snapshot`` holds goes into the keyframe cache: always or never where
-        ``cache_keyframe`` says so; by default, for an asynchronous save if it is staged (a state too large to stage,
-        ``max_staging_bytes``, says memory is short), for a synchronous one if it is small (``ALL_PLANES_UP_TO``:
-        one more copy of it costs little, and each delta save would read it back otherwise)."""
+        """Whether the keyframe save of ``snapshot`` fills the keyframe cache: always or never where
+        ``cache_keyframe`` says so; by default for an asynchronous save if it is staged (a state too large to stage,
+        ``max_staging_bytes``, says memory is short), never for a synchronous one, whose caller would wait for the
+        copy (:meth:`_keeps_reads` fills it later)."""
         if self.cache_keyframe is not None:
             return self.cache_keyframe
-        if self.async_save:
-            return snapshot.staged
-        return sum(len(view) for view in snapshot.views) <= ALL_PLANES_UP_TO
+        return self.async_save and snapshot.staged
+
+    def _keeps_reads(self, keyframe_bytes: int) -> bool:
+        """Whether delta saves against a keyframe of ``keyframe_bytes`` (raw) keep the keyframe chunks they read back
+        in the cache: by default for synchronous saves of a keyframe of at most ``ALL_PLANES_UP_TO`` bytes (one more
+        copy of a small state costs little; each delta save would read it back otherwise). A manager that saves
+        once copies nothing."""
+        if self.cache_keyframe is not None or self.async_save:
+            return False
+        return keyframe_bytes <= ALL_PLANES_UP_TO
 
     def _commit_keyframe_cache(self, step: int) -> None:
         """Fill the keyframe cache from committed keyframe ``step``'s chunks (if it was filling), on the vault's
