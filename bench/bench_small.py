@@ -25,6 +25,8 @@ round-robin, so the machine's load falls on all of them alike):
     parent sees it (what a script that saves once pays, interpreter exit and joined threads included);
   - restore: from after ``import torch`` until the state is in memory: ``torch.load(path, weights_only=True)``
     against ``ckptvault.load(d)`` with and without ``import ckptvault`` in the timed span;
+    and, gc settled, ``torch.load(path, weights_only=False)``: the full unpickler, which runs whatever code a file
+    names (ckptvault never unpickles on load), compared with the weights-only default;
   - both again "gc settled": with ``gc.collect()`` run before the clock starts. Importing torch leaves a full
     collection of its ~170k objects due, and whichever code next allocates some thousand objects pays it (0.1 to
     0.5 s here). A restore pauses the collector, so neither side pays it inside the restore unless torch.load
@@ -147,7 +149,7 @@ print(json.dumps({{"import": t1 - t0, "op": t2 - t1, "numba": "numba" in sys.mod
 _LOAD_TORCH = _CHILD_PRELUDE + """
 {settle}
 t0 = time.perf_counter()
-state = torch.load({src!r}, weights_only=True)
+state = torch.load({src!r}, weights_only={weights_only})
 t1 = time.perf_counter()
 import gc; gc.collect()
 t2 = time.perf_counter()
@@ -276,11 +278,14 @@ def fresh_round(runs: Runs, src: Path, vault: Path) -> None:
             runs.add("fresh save process: ckptvault.save()", r["process"])
         runs.flags.setdefault("numba after save", set()).add(r["numba"])
 
-        r = run_child(_LOAD_TORCH.format(bench=bench, src=str(src), settle=settle))
+        r = run_child(_LOAD_TORCH.format(bench=bench, src=str(src), settle=settle, weights_only=True))
         runs.add(f"fresh restore{suffix}: torch.load", r["op"])
         if not settle:
             runs.add("fresh restore process: torch.load", r["process"])
             runs.add(f"{THEN_COLLECT}: torch.load", r["op"] + r["collect"])
+        else:
+            r = run_child(_LOAD_TORCH.format(bench=bench, src=str(src), settle=settle, weights_only=False))
+            runs.add(UNPICKLED, r["op"])
 
         r = run_child(_LOAD_VAULT.format(bench=bench, src=str(vault), settle=settle))
         runs.add(f"fresh restore{suffix}: ckptvault.load()", r["op"])
@@ -292,6 +297,8 @@ def fresh_round(runs: Runs, src: Path, vault: Path) -> None:
 
 
 THEN_COLLECT = "fresh restore, then the collection due"
+#: torch.load's full unpickler, which a checkpoint may make run any code: what the weights-only default guards against
+UNPICKLED = "fresh restore (gc settled): torch.load(weights_only=False)"
 INTO_ITS_VAULT = "warm manager into its vault"
 
 
@@ -312,6 +319,7 @@ def _rows() -> list[tuple[str, str | None]]:
         peer = f"fresh restore{suffix}: torch.load"
         rows += [(peer, None), (f"fresh restore{suffix}: ckptvault.load()", peer),
                  (f"fresh restore{suffix}: import ckptvault + ckptvault.load()", peer)]
+    rows += [(UNPICKLED, "fresh restore (gc settled): torch.load")]
     rows += [(f"{THEN_COLLECT}: torch.load", None),
              (f"{THEN_COLLECT}: ckptvault.load()", f"{THEN_COLLECT}: torch.load")]
     rows += [("fresh restore process: torch.load", None),
