@@ -64,7 +64,7 @@ def test_demo_trains_checkpoints_and_restores_bit_exactly(demo_vault: tuple[Path
                 "total for 3 checkpoints", "save: training blocked (median)", "save: until durable (median)",
                 "restore time (median, fresh process)"):
         assert row in out, f"missing row {row!r} in:\n{out}"
-    assert "(fsync included)" in out and "(torch.load)" in out
+    assert "(fsync included)" in out and "(torch.load, unpickler)" in out
     assert "restore of step 6 in a fresh process: bit-exact" in out
     assert not list(vault.parent.glob(".ckptvault-demo-*")), "the torch.save scratch folder was left behind"
 

@@ -121,7 +121,8 @@ def format_report(r: DemoReport) -> str:
         (f"total for {_plural(n, 'checkpoint')}", human_bytes(r.vault_bytes), human_bytes(r.torch_save_bytes * n)),
         ("save: training blocked (median)", _seconds(m["save_blocked_s"]), _seconds(m["torch_save_s"])),
         ("save: until durable (median)", _seconds(m["save_s"]), _seconds(m["torch_save_s"]) + " (fsync included)"),
-        ("restore time (median, fresh process)", _seconds(m["restore_s"]), _seconds(m["torch_load_s"]) + " (torch.load)"),
+        ("restore time (median, fresh process)", _seconds(m["restore_s"]),
+         _seconds(m["torch_load_s"]) + " (torch.load, unpickler)"),
     ]
     check = r.check
     if r.ok:

@@ -106,6 +106,7 @@ def check_restore(vault: str, step: int, reference: Path, repeat: int) -> dict[s
                               if not _same_lossy(p, expected, actual, lossy_paths)]
             del state
             start = time.perf_counter()
+            # the full unpickler: the weights-only default refuses the numpy arrays of the RNG states
             loaded = torch.load(reference / TORCH_FILE, weights_only=False)
             load_s.append(time.perf_counter() - start)
             del loaded
