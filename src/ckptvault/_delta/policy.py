@@ -155,9 +155,8 @@ class KeyframeCache:
         planes = split_planes(raw, typesize, scratch(len(raw), "planes"))[0]  # this thread's; copied below
         high = planes[typesize - (typesize if every_plane else kept_planes(typesize)):]
         with self._lock:
-            spare = self._spare.get(high.shape)
-            into = spare.pop() if spare else None
-        return high.copy() if into is None else _copied(high, into)
+            into = self._pop_spare(high.shape)
+        return _stacked(high, into)
 
     def keep_read(self, step: int, cid: str, typesize: int, planes: Sequence[np.ndarray]) -> None:
         """Keep a copy of every byte plane of chunk ``cid`` of committed keyframe ``step``, as a delta save read it
@@ -170,12 +169,16 @@ class KeyframeCache:
                 for _typesize, kept in self._chunks.values():
                     self._spare.setdefault(kept.shape, []).append(kept)
                 self._chunks, self._step = {}, step
-            spare = self._spare.get((typesize, len(planes[0])))
-            into = spare.pop() if spare else None
+            into = self._pop_spare((typesize, len(planes[0])))
         copy = _stacked(planes, into)
         with self._lock:
             if self._step == step and self._filling is None:
                 self._chunks[cid] = (typesize, copy)
+
+    def _pop_spare(self, shape: tuple[int, int]) -> np.ndarray | None:
+        """A spare array of ``shape`` from the previous keyframe's planes, if one is left (call under the lock)."""
+        spare = self._spare.get(shape)
+        return spare.pop() if spare else None
 
     def abort(self) -> None:
         with self._lock:
@@ -199,15 +202,10 @@ class KeyframeCache:
         return sum(planes.nbytes for _typesize, planes in self._chunks.values())
 
 
-def _copied(source: np.ndarray, into: np.ndarray) -> np.ndarray:
-    np.copyto(into, source)
-    return into
-
-
-def _stacked(planes: Sequence[np.ndarray], into: np.ndarray | None) -> np.ndarray:
-    """``planes`` copied into the rows of ``into`` (new memory if None)."""
+def _stacked(planes: Sequence[np.ndarray] | np.ndarray, into: np.ndarray | None) -> np.ndarray:
+    """``planes`` (equal-length rows) copied into the rows of ``into`` (new memory if None)."""
     if into is None:
-        return np.stack(planes)
+        return np.array(planes)  # a copy, stacked
     for row, plane in zip(into, planes, strict=True):
         row[:] = plane
     return into

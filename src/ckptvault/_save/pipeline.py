@@ -132,10 +132,10 @@ class Saver(InFlight):
         try:
             delta = delta_context(self.vault, self.delta_policy, request.step, self._manifests)
             delta.cache = self._keyframe_cache
-            if delta.cache is not None and delta.keyframe is not None:
-                delta.keep_reads = self._keeps_reads(sum(chunk.raw for chunk in delta.keyframe.chunks))
-            elif delta.cache is not None:
-                if self._caches(snapshot):
+            if delta.cache is not None:
+                if delta.keyframe is not None:
+                    delta.keep_reads = self._keeps_reads(sum(chunk.raw for chunk in delta.keyframe.chunks))
+                elif self._caches(snapshot):
                     delta.cache.begin(request.step)
                 elif not self._keeps_reads(sum(len(view) for view in snapshot.views)):
                     delta.cache.clear()
