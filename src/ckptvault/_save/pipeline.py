@@ -183,8 +183,8 @@ class Saver(InFlight):
     def _keeps_reads(self, keyframe_bytes: int) -> bool:
         """Whether delta saves against a keyframe of ``keyframe_bytes`` (raw) keep the keyframe chunks they read back
         in the cache: by default for synchronous saves of a keyframe of at most ``ALL_PLANES_UP_TO`` bytes (one more
-        copy of a small state costs little; each delta save would read it back otherwise). A manager that saves
-        once copies nothing."""
+        copy of a small state costs little; each delta save would read it back otherwise). ``ckptvault.save()``,
+        which saves once, passes ``cache_keyframe=False``: it copies nothing."""
         if self.cache_keyframe is not None or self.async_save:
             return False
         return keyframe_bytes <= ALL_PLANES_UP_TO
