@@ -56,8 +56,36 @@ def plain_cpu(t: torch.Tensor) -> bool:
     return t.is_cpu and t.is_contiguous() and not t.is_conj() and not t.is_neg()
 
 
+#: dtypes whose tensors ``Tensor.numpy()`` views as they are (bfloat16, float8, uint16...: through uint8 instead)
+_NUMPY_VIEWABLE = frozenset({torch.float16, torch.float32, torch.float64, torch.complex64, torch.complex128, torch.bool,
+                             torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64})
+
+
+def host_bytes(t: torch.Tensor) -> memoryview:
+    """Bytes of a tensor's values in C order: a view of a CPU tensor whose memory holds them so, else of a
+    contiguous host copy (:func:`host_contiguous`)."""
+    if t.dtype in _NUMPY_VIEWABLE and t.is_cpu and not t.is_conj() and not t.is_neg():
+        fast = _numpy_bytes(t.detach())
+        if fast is not None:
+            return fast
+    return tensor_bytes(host_contiguous(t))
+
+
+def _numpy_bytes(t: torch.Tensor) -> memoryview | None:
+    """The bytes of a CPU tensor of a dtype in ``_NUMPY_VIEWABLE``, without grad, conj or neg bit, through its numpy
+    view (cheaper than the uint8 view :func:`tensor_bytes` falls back to); None if that view is not C-contiguous."""
+    array = t.numpy()
+    if not array.flags.c_contiguous:
+        return None
+    return array.data.cast("B") if array.size else memoryview(b"")
+
+
 def tensor_bytes(t: torch.Tensor) -> memoryview:
     """Bytes of a contiguous CPU tensor, without copying."""
+    if t.dtype in _NUMPY_VIEWABLE and not t.requires_grad and not t.is_conj() and not t.is_neg():
+        fast = _numpy_bytes(t)
+        if fast is not None:
+            return fast
     if t.numel() == 0:
         return memoryview(b"")
     # as_strided, not reshape: a "contiguous" tensor may have any stride on size-1 dims (x[::2][:1])

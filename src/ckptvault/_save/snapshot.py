@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from .._arrays import host_contiguous, ndarray_bytes, tensor_bytes, torch_dtype_name
+from .._arrays import host_bytes, ndarray_bytes, torch_dtype_name
 from .._format.records import ChunkRef, LossyInfo, PredictInfo
 from .._tree import Leaf, Node, flatten
 from ..rules import CodecRules
@@ -112,5 +112,5 @@ def _record(leaf: Leaf, rules: CodecRules) -> ArrayRecord:
 
 def _live_view(leaf: Leaf) -> memoryview:
     if leaf.kind == "torch":
-        return tensor_bytes(host_contiguous(leaf.value))
+        return host_bytes(leaf.value)
     return ndarray_bytes(leaf.value)
