@@ -389,7 +389,7 @@ def test_a_manifest_with_a_chain_encodes_as_its_json_body_does(tmp_path):
 
 def test_a_convincing_first_candidate_ends_the_pairing_trial(tmp_path, monkeypatch):
     """Where state order already names the right array first, one trial per parameter settles its pairing; the
-    lookalikes after it are not tried, and the pairing stays right."""
+    lookalikes after it are not tried, later saves take the pairing without a trial, and it stays right."""
     from ckptvault._delta import predict as predict_module
 
     trials = []
@@ -409,14 +409,15 @@ def test_a_convincing_first_candidate_ends_the_pairing_trial(tmp_path, monkeypat
         params = [t for t in mgr.manifest(3)["tensors"] if t.get("predict", {}).get("op") == "adam-param-1"]
         assert sorted(t["path"] for t in params) == sorted(f"model.{k}" for k in saved[3]["model"])
         assert all(i[2].startswith("model.") for t in params for i in t["predict"]["inputs"] if i[0] == "p0")
-        assert trials == ["adam-param-1"] * (2 * len(params))  # steps 2 and 3, one trial per parameter
+        assert trials == ["adam-param-1"] * len(params)  # step 2, one trial per parameter; step 3 none
         _assert_same(mgr.restore(3), saved[3])
 
 
-def test_the_last_pairing_is_tried_first_and_kept_where_it_matches_most_elements(tmp_path, monkeypatch):
+def test_a_pairing_found_on_a_three_quarter_match_is_kept_until_its_prediction_stops_paying(tmp_path, monkeypatch):
     """A parameter whose prediction misses a few of the trial elements (changed outside the step) is not paired
-    convincingly, so its first save tries every lookalike; the next save tries the array paired last time first
-    and keeps it on a 3/4 match, without trying the lookalikes again."""
+    convincingly, so its first save tries every lookalike; it keeps that pairing on a 3/4 match, so the next save
+    tries none. A save where the parameter was replaced outside the optimizer (its prediction stored nothing) drops
+    the pairing, and the save after it tries the lookalikes again and finds the same array."""
     from ckptvault._delta import predict as predict_module
 
     trials = []
@@ -426,21 +427,28 @@ def test_the_last_pairing_is_tried_first_and_kept_where_it_matches_most_elements
     weight = torch.nn.Parameter(torch.randn(4096))
     lookalikes = {"b": torch.randn(4096), "c": torch.randn(4096)}  # same shape, after it in state order
     opt = torch.optim.SGD([weight], lr=0.1, momentum=0.9)
-    saved = {}
-    with CheckpointManager(tmp_path / "v", async_save=False, delta=DeltaOptions(predict=True)) as mgr:
-        for step in (1, 2, 3):
+    saved, tried = {}, {}
+    delta = DeltaOptions(predict=True, keyframe_growth=100)  # step 3's raw weight must not start a keyframe at 4
+    with CheckpointManager(tmp_path / "v", async_save=False, delta=delta) as mgr:
+        for step in (1, 2, 3, 4):
             (weight * torch.randn(weight.shape)).sum().backward()
             opt.step()
             opt.zero_grad()
             with torch.no_grad():
                 weight[:20] = 0.5  # 236 of the 256 trial elements are still predicted exactly
+                if step == 3:
+                    weight.copy_(torch.randn(weight.shape))  # nothing of it follows from the step
             saved[step] = copy.deepcopy({"model": {"a": weight.detach(), **lookalikes}, "optimizer": opt.state_dict()})
+            before = len(trials)
             mgr.save(step, saved[step])
+            tried[step] = trials[before:]
             record = next(t for t in mgr.manifest(step)["tensors"] if t["path"] == "model.a")
-            if step > 1:
+            if step in (2, 4):
                 assert [i[2] for i in record["predict"]["inputs"] if i[0] == "p0"] == ["model.a"]
-        assert trials == ["sgd-param-1"] * 3 + ["sgd-param-1"]  # step 2 tries all three arrays, step 3 one
-        _assert_same(mgr.restore(3), saved[3])
+            if step == 3:
+                assert "predict" not in record
+        assert tried == {1: [], 2: ["sgd-param-1"] * 3, 3: [], 4: ["sgd-param-1"] * 3}
+        _assert_same(mgr.restore(4), saved[4])
 
 
 def test_blocks_whose_prediction_does_not_pay_are_stored_as_they_are(tmp_path):
@@ -467,8 +475,9 @@ def test_blocks_whose_prediction_does_not_pay_are_stored_as_they_are(tmp_path):
 
 
 def test_a_residual_that_stores_in_almost_nothing_is_not_weighed_against_its_block():
-    """The block estimate is skipped for a residual of (almost) only zero bytes, and made otherwise: a
-    compressible block beside a random residual is kept raw."""
+    """The block estimate is skipped for a residual that stores in almost nothing, and made otherwise: a
+    compressible block beside a random residual is kept raw. A residual of almost only zero bytes is not even
+    estimated."""
     import numpy as np
 
     from ckptvault._delta import predict as predict_module
@@ -483,9 +492,47 @@ def test_a_residual_that_stores_in_almost_nothing_is_not_weighed_against_its_blo
     try:
         predict_module._estimate = lambda sample, itemsize: estimated.append(len(sample)) or real(sample, itemsize)
         assert predict_module._raw_blocks(actual, np.zeros_like(actual), block) == []
+        assert estimated == []  # no non-zero byte: nothing to estimate
+        sparse = np.zeros_like(actual)
+        sparse.view(np.uint8)[:: 32] = 7  # a 32nd of the bytes: more than the 64th that needs no estimate
+        assert predict_module._raw_blocks(actual, sparse, block) == []
     finally:
         predict_module._estimate = real
     assert estimated == [predict_module.SAMPLE] * 2  # the residual's estimate of each block, never the block's
+
+
+def test_a_blocks_raw_estimate_is_reused_for_later_saves_unless_the_residual_comes_close():
+    """Raw estimates of a record's blocks are remembered by save and reused for RAW_REUSE saves; a residual whose
+    estimate comes CLOSE to the remembered one, or an older estimate, has the block estimated again."""
+    import numpy as np
+
+    from ckptvault._delta import predict as predict_module
+
+    block = 64 << 10
+    rng = np.random.default_rng(0)
+    actual = rng.standard_normal(block // 4, dtype=np.float32)
+    noisy = rng.integers(0, 1 << 12, block // 4, dtype=np.uint32).view(np.float32)  # a residual: 12 low bits of noise
+    random = rng.integers(0, 1 << 32, block // 4, dtype=np.uint32).view(np.float32)  # one larger than the block
+    estimated = []
+    real = predict_module._estimate
+    known: dict[int, tuple[float, int]] = {}
+    try:
+        predict_module._estimate = lambda sample, itemsize: estimated.append(len(sample)) or real(sample, itemsize)
+
+        def blocks(residual, save):
+            estimated.clear()
+            found = predict_module._raw_blocks(actual, residual, block, known, save)
+            return found, len(estimated)
+
+        assert blocks(noisy, 1) == ([], 2)  # the residual's estimate and the block's, remembered
+        assert set(known) == {0} and known[0][1] == 1
+        assert blocks(noisy, 2) == ([], 1)  # the block's reused
+        assert blocks(noisy, 1 + predict_module.RAW_REUSE - 1) == ([], 1)
+        assert blocks(noisy, 1 + predict_module.RAW_REUSE) == ([], 2)  # too old: estimated again
+        assert known[0][1] == 1 + predict_module.RAW_REUSE
+        assert blocks(random, 2 + predict_module.RAW_REUSE) == ([0], 2)  # close to the block's: estimated again
+    finally:
+        predict_module._estimate = real
 
 
 #: a model whose embedding (200 x 96 float32: 75 KiB) is cut into a whole chunk and a shorter one, and whose next

@@ -82,25 +82,40 @@ def _python(node: Node) -> Any:
 
 _DICTS = ("dict", "odict")
 _LISTS = ("list", "tuple")
+_CONTAINERS = _DICTS + _LISTS
 
 
-def _optimizers(node: Node, path: str) -> Any:
+def _optimizers(node: Node, path: str, found: list[tuple[str, Node]] | None = None) -> list[tuple[str, Node]]:
     """(key path, skeleton node) of every optimizer ``state_dict()`` in the skeleton: a dict whose ``state`` is a
     dict and whose ``param_groups`` is a list of dicts. Only these are turned into Python values (:func:`_python`):
-    the rest of the state is walked, never converted."""
+    the rest of the state is walked, never converted, and only its containers are entered."""
+    found = [] if found is None else found
     tag, body = next(iter(node.items()))
     if tag in _DICTS:
-        children = {scalar_value(k): child for k, child in body}
-        state, groups = children.get("state"), children.get("param_groups")
-        if (state is not None and next(iter(state)) in _DICTS and groups is not None and next(iter(groups)) in _LISTS
-                and all(next(iter(g)) in _DICTS for g in next(iter(groups.values())))):
-            yield path, node
-            return
-        for key, child in children.items():
-            yield from _optimizers(child, join_path(path, key))
+        if _is_optimizer(body):
+            found.append((path, node))
+            return found
+        for key, child in body:
+            if next(iter(child)) in _CONTAINERS:
+                _optimizers(child, join_path(path, scalar_value(key)), found)
     elif tag in _LISTS:
         for k, child in enumerate(body):
-            yield from _optimizers(child, join_path(path, k))
+            if next(iter(child)) in _CONTAINERS:
+                _optimizers(child, join_path(path, k), found)
+    return found
+
+
+def _is_optimizer(items: list[list[Node]]) -> bool:
+    """Whether a dict node's ``items`` hold a ``state`` dict and a ``param_groups`` list of dicts."""
+    state = groups = None
+    for key, child in items:
+        name = key.get("str")  # a key node: {"str": ...}, {"int": ...}...
+        if name == "state":
+            state = child
+        elif name == "param_groups":
+            groups = child
+    return (state is not None and next(iter(state)) in _DICTS and groups is not None
+            and next(iter(groups)) in _LISTS and all(next(iter(g)) in _DICTS for g in next(iter(groups.values()))))
 
 
 def _kind(group: dict[str, Any]) -> str | None:

@@ -33,6 +33,12 @@ SAMPLE = 1 << 14
 #: blocks smaller than this are judged by their count of non-zero bytes (too little for zstd to say)
 SMALL = 4096
 _ESTIMATOR = zstandard.ZstdCompressor(level=1)
+#: saves a block's raw estimate is reused for, unless its residual's estimate comes close to it (a record's raw
+#: bytes compress alike from one step to the next, and a prediction rarely comes near them: one estimate per block
+#: and save, the residual's, is what decides)
+RAW_REUSE = 16
+#: a residual estimate at least this fraction of the block's remembered raw estimate has the raw bytes estimated again
+CLOSE = 0.75
 #: the residual saves write (``kernels.residual_of``): the zigzag-coded difference, whose high byte planes store
 #: smaller than the XOR's for first moments, and no larger for the nearly exact kinds
 RESIDUAL = "diff"
@@ -54,6 +60,7 @@ class _Plan:
     op: str
     inputs: tuple[PredictInput, ...]
     scalars: dict[str, float]
+    slot: tuple[str, int] | None = None  # a parameter's prediction: its optimizer slot, whose pairing it uses
 
 
 @dataclass
@@ -64,8 +71,12 @@ class Predictor:
     _kept: _Kept | None = None
     _pending: tuple[int, list[memoryview], dict[tuple[str, int], ParamSlot], list[ArrayRecord]] | None = None
     _buffers: dict[str, np.ndarray] = field(default_factory=dict)
-    #: the model array each optimizer parameter was paired with at the last prediction, tried first the next time
+    #: the model array each optimizer parameter was paired with by a trial that matched (:data:`LIKELY`), taken
+    #: again without one until its prediction stops paying
     _pairings: dict[tuple[str, int], str] = field(default_factory=dict)
+    #: per record path and block: its raw bytes' estimate (compressed fraction of the sample, save number)
+    _raw_estimates: dict[str, dict[int, tuple[float, int]]] = field(default_factory=dict)
+    _saves: int = 0  # predictions made, the clock of ``_raw_estimates``
 
     def apply(self, snapshot: Snapshot, latest: Manifest | None, step: int, block: int,
               pool: ThreadPoolExecutor | None = None) -> Snapshot:
@@ -89,14 +100,18 @@ class Predictor:
                    from_step: int, block: int, pool: ThreadPoolExecutor | None) -> Snapshot:
         records, views = list(snapshot.records), list(snapshot.views)
         last_read = {i.path: n for n, plan in enumerate(plans) for i in plan.inputs if i.level == 1}
+        self._saves += 1
         for n, plan in enumerate(plans):
             record = records[plan.index]
             actual = current[record.path]
             inputs = {i.role: (current if i.level == 0 else kept.arrays)[i.path] for i in plan.inputs}
             residual = self._residual_buffer(record.path, actual, kept, last_read.get(record.path, -1) <= n)
             residual_of(plan.op, inputs, plan.scalars, residual, actual, RESIDUAL, pool)
-            raw_blocks = _raw_blocks(actual, residual, block)
+            raw_blocks = _raw_blocks(actual, residual, block, self._raw_estimates.setdefault(record.path, {}),
+                                     self._saves)
             if len(raw_blocks) * block >= record.nbytes:
+                if plan.slot is not None:  # the pairing may be wrong now: the next save tries the lookalikes again
+                    self._pairings.pop(plan.slot, None)
                 continue
             _restore_blocks(residual, actual, raw_blocks, block)
             info = PredictInfo(plan.op, plan.inputs, plan.scalars, digest(actual), block, from_step,
@@ -150,7 +165,8 @@ def _plans(snapshot: Snapshot, slots: dict[tuple[str, int], ParamSlot], kept: _K
            current: dict[str, np.ndarray], pairings: dict[tuple[str, int], str]) -> list[_Plan]:
     """The predictions to try, per parameter: second moments, first moments, AMSGrad maxima, then the parameter
     (which reads its step's moments; :meth:`Predictor._residuals` relies on this order to reuse kept arrays).
-    ``pairings``: each parameter's model array at the last prediction, tried first; updated with this one's."""
+    ``pairings``: each parameter's model array as a convincing trial found it, taken without a new trial; a
+    trial's pairing is added where it matched :data:`LIKELY` of its elements."""
     records = snapshot.records
     previous = {t.path: t for t in latest.tensors}
 
@@ -176,12 +192,18 @@ def _plans(snapshot: Snapshot, slots: dict[tuple[str, int], ParamSlot], kept: _K
         dtype = np.dtype(np.float32) if by_path[next(iter(paths.values()))].dtype == "float32" else np.dtype(np.float64)
         candidates = [records[i].path for i in slot.candidates if records[i].path in ready and records[i].path not in chosen]
         found = make(slot, before, paths, candidates[0] if candidates else None, dtype)
+        parameter = None
         if found and found[-1][1] in PARAMETER_OPS:
-            if len(candidates) > 1:
-                found[-1] = _best_pairing(found[-1], candidates, current, kept, pairings.get(key))
+            parameter = key
+            if pairings.get(key) in candidates:  # paired by a convincing trial at an earlier save
+                found[-1] = _paired(found[-1], pairings[key])
+            elif len(candidates) > 1:
+                found[-1], convincing = _best_pairing(found[-1], candidates, current, kept)
+                if convincing:
+                    pairings[key] = found[-1][0]
             chosen.add(found[-1][0])
-            pairings[key] = found[-1][0]
-        plans.extend(_Plan(index[path], op, inputs, scalars) for path, op, inputs, scalars in found)
+        plans.extend(_Plan(index[path], op, inputs, scalars, parameter if op in PARAMETER_OPS else None)
+                     for path, op, inputs, scalars in found)
     return plans
 
 
@@ -191,23 +213,22 @@ TRIAL = 256
 #: a candidate whose prediction matches this many of the TRIAL elements is taken without trying the others: only
 #: an array equal to it on those elements could match as well (the rest differ in a few last bits, from sqrt)
 CONVINCING = TRIAL - TRIAL // 32
-#: the array a parameter was paired with last time is taken again without trying others if its prediction matches
-#: this fraction of the trial elements: another array matches only where it equals that one (a parameter's pairing
-#: does not change between steps; small arrays, such as biases, match fewer than CONVINCING in their last bits)
+#: a trial's pairing is kept for later saves, untried, if its prediction matched this fraction of the trial
+#: elements: another array matches only where it equals that one (a parameter's pairing does not change between
+#: steps; small arrays, such as biases, match fewer than CONVINCING in their last bits)
 LIKELY = 0.75
 
+Planned = tuple[str, str, tuple[PredictInput, ...], dict[str, float]]
 
-def _best_pairing(plan: tuple[str, str, tuple[PredictInput, ...], dict[str, float]], candidates: list[str],
-                  current: dict[str, np.ndarray], kept: _Kept, last: str | None = None
-                  ) -> tuple[str, str, tuple[PredictInput, ...], dict[str, float]]:
-    """The parameter plan for whichever candidate array its prediction matches best on the first elements;
-    ``last``, the array paired the last time, is tried first. A pairing only decides how well the parameter
-    compresses: restore recomputes the prediction the manifest names, whichever array that is."""
+
+def _best_pairing(plan: Planned, candidates: list[str], current: dict[str, np.ndarray], kept: _Kept
+                  ) -> tuple[Planned, bool]:
+    """The parameter plan for whichever candidate array its prediction matches best on the first elements, and
+    whether it matched :data:`LIKELY` of them. A pairing only decides how well the parameter compresses: restore
+    recomputes the prediction the manifest names, whichever array that is."""
     _path, op, inputs, scalars = plan
     moments = {i.path for i in inputs if i.role != "p0"}
     trial = {i.role: (current if i.level == 0 else kept.arrays)[i.path][:TRIAL] for i in inputs if i.role != "p0"}
-    if last in candidates:
-        candidates = [last, *(c for c in candidates if c != last)]
     scores = []
     for candidate in candidates:
         if candidate in moments:
@@ -215,14 +236,20 @@ def _best_pairing(plan: tuple[str, str, tuple[PredictInput, ...], dict[str, floa
             continue
         trial["p0"] = kept.arrays[candidate][:TRIAL]
         scores.append(int(np.count_nonzero(predict(op, trial, scalars) == current[candidate][:TRIAL])))
-        size = len(trial["p0"])
-        if scores[-1] >= min(CONVINCING, size) or (candidate == last and scores[-1] >= LIKELY * size):
+        if scores[-1] >= min(CONVINCING, len(trial["p0"])):
             break
-    best = candidates[scores.index(max(scores))]
-    return best, op, tuple(PredictInput(i.role, i.level, best) if i.role == "p0" else i for i in inputs), scalars
+    best = max(scores)
+    chosen = candidates[scores.index(best)]
+    return _paired(plan, chosen), best >= LIKELY * min(TRIAL, len(current[chosen]))
 
 
-Found = list[tuple[str, str, tuple[PredictInput, ...], dict[str, float]]]
+def _paired(plan: Planned, param: str) -> Planned:
+    """``plan``, a parameter's, predicting model array ``param``."""
+    _path, op, inputs, scalars = plan
+    return param, op, tuple(PredictInput(i.role, i.level, param) if i.role == "p0" else i for i in inputs), scalars
+
+
+Found = list[Planned]
 
 
 def _adam_plans(slot: ParamSlot, before: dict[str, Any], paths: dict[str, str], param: str | None,
@@ -280,10 +307,13 @@ def _caster(dtype: np.dtype) -> Callable[[float], float]:
     return lambda value: float(dtype.type(value))
 
 
-def _raw_blocks(actual: np.ndarray, residual: np.ndarray, block: int) -> list[int]:
+def _raw_blocks(actual: np.ndarray, residual: np.ndarray, block: int,
+                known: dict[int, tuple[float, int]] | None = None, save: int = 0) -> list[int]:
     """Blocks (of ``block`` bytes) whose residual a zstd-1 estimate on a sample of each form says stores larger
     than the block itself. A residual that stores in a 64th of its sample is kept without estimating the block:
-    the most the block could store smaller is that 64th."""
+    the most the block could store smaller is that 64th; one of almost only zero bytes is kept without an estimate
+    at all. ``known``: the record's raw estimates by block from earlier saves (updated here), reused up to
+    :data:`RAW_REUSE` saves after ``save`` made them unless the residual's estimate comes :data:`CLOSE` to one."""
     raw_bytes, res_bytes = actual.view(np.uint8), residual.view(np.uint8)
     out = []
     for k, start in enumerate(range(0, len(raw_bytes), block)):
@@ -291,10 +321,28 @@ def _raw_blocks(actual: np.ndarray, residual: np.ndarray, block: int) -> list[in
         mid = start + max(0, (end - start - SAMPLE) // 2)
         mid -= mid % actual.itemsize
         stop = min(end, mid + SAMPLE)
-        estimate = _estimate(res_bytes[mid:stop], actual.itemsize)
-        if estimate * 64 > stop - mid and estimate > _estimate(raw_bytes[mid:stop], actual.itemsize):
+        sample = res_bytes[mid:stop]
+        if len(sample) >= SMALL and np.count_nonzero(sample) * 64 <= len(sample):
+            continue
+        estimate = _estimate(sample, actual.itemsize)
+        if estimate * 64 > len(sample) and estimate > _raw_estimate(raw_bytes[mid:stop], actual.itemsize, estimate,
+                                                                    k, known, save):
             out.append(k)
     return out
+
+
+def _raw_estimate(sample: np.ndarray, itemsize: int, residual: int, k: int, known: dict[int, tuple[float, int]] | None,
+                  save: int) -> float:
+    """Block ``k``'s raw estimate: remembered in ``known`` if made fewer than :data:`RAW_REUSE` saves ago and
+    ``residual`` (its residual's) is not :data:`CLOSE` to it, else made now (and remembered)."""
+    if known is not None and k in known:
+        fraction, made = known[k]
+        if save - made < RAW_REUSE and residual < CLOSE * fraction * len(sample):
+            return fraction * len(sample)
+    estimate = _estimate(sample, itemsize)
+    if known is not None:
+        known[k] = (estimate / len(sample), save)
+    return estimate
 
 
 def _estimate(sample: np.ndarray, itemsize: int) -> int:
