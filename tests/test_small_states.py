@@ -269,3 +269,34 @@ def test_staging_copies_every_kind_of_leaf_exactly() -> None:
     for view, offset, size in zip(views, offsets, sizes, strict=True):
         if size:
             assert np.shares_memory(np.frombuffer(view, np.uint8), base[offset:offset + size])
+
+
+def test_tensor_bytes_are_the_values_in_c_order_whichever_way_they_are_viewed() -> None:
+    """host_bytes gives every tensor's values in C order, little-endian: through numpy's view where numpy has one
+    (aliasing the tensor's memory), else through a uint8 view of a contiguous copy (bfloat16, float8, uint16, a
+    conjugate or negative view, a transpose, an expanded tensor, an empty one, a Parameter)."""
+    import torch
+
+    from ckptvault._arrays import host_bytes, tensor_bytes
+
+    gen = torch.Generator().manual_seed(0)
+    base = torch.randn(6, 5, generator=gen)
+    complex_ = torch.randn(4, dtype=torch.complex64, generator=gen)
+    cases = {
+        "float32": base, "parameter": torch.nn.Parameter(base.clone()), "0-d": torch.tensor(2.5),
+        "empty": torch.empty(0, 3), "bool": base > 0, "float16": base.half(), "bfloat16": base.bfloat16(),
+        "float8": base.to(torch.float8_e4m3fn), "uint16": torch.arange(9, dtype=torch.int32).to(torch.uint16),
+        "int64": torch.arange(7), "complex64": complex_, "conj": complex_.conj(), "neg view": complex_.conj().imag,
+        "transpose": base.t(), "odd stride on a size-1 dim": base[::2][:1], "slice": base[2:4],
+        "expanded": base[:1].expand(3, 5),
+    }
+    for name, t in cases.items():
+        reference = t.detach().resolve_conj().resolve_neg().contiguous().flatten().view(torch.uint8)
+        expected = reference.numpy().tobytes() if t.numel() else b""
+        view = host_bytes(t)
+        assert (view.format, view.ndim, bytes(view)) == ("B", 1, expected), name
+    plain = torch.zeros(4)
+    view = tensor_bytes(plain)
+    view[4:8] = np.float32(1.5).tobytes()  # a view of the tensor's memory, not a copy
+    assert plain.tolist() == [0.0, 1.5, 0.0, 0.0]
+    assert np.shares_memory(np.frombuffer(host_bytes(base), np.uint8), base.numpy())

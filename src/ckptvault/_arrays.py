@@ -64,16 +64,16 @@ _NUMPY_VIEWABLE = frozenset({torch.float16, torch.float32, torch.float64, torch.
 def host_bytes(t: torch.Tensor) -> memoryview:
     """Bytes of a tensor's values in C order: a view of a CPU tensor whose memory holds them so, else of a
     contiguous host copy (:func:`host_contiguous`)."""
-    if t.dtype in _NUMPY_VIEWABLE and t.is_cpu and not t.is_conj() and not t.is_neg():
-        fast = _numpy_bytes(t.detach())
-        if fast is not None:
-            return fast
-    return tensor_bytes(host_contiguous(t))
+    fast = _numpy_bytes(t.detach()) if t.is_cpu else None
+    return fast if fast is not None else tensor_bytes(host_contiguous(t))
 
 
 def _numpy_bytes(t: torch.Tensor) -> memoryview | None:
-    """The bytes of a CPU tensor of a dtype in ``_NUMPY_VIEWABLE``, without grad, conj or neg bit, through its numpy
-    view (cheaper than the uint8 view :func:`tensor_bytes` falls back to); None if that view is not C-contiguous."""
+    """The bytes of a CPU tensor through its numpy view (cheaper than the uint8 view :func:`tensor_bytes` falls back
+    to); None where numpy has no such view: a dtype outside ``_NUMPY_VIEWABLE``, a grad, conj or neg bit, or a
+    layout that is not C-contiguous."""
+    if t.dtype not in _NUMPY_VIEWABLE or t.requires_grad or t.is_conj() or t.is_neg():
+        return None
     array = t.numpy()
     if not array.flags.c_contiguous:
         return None
@@ -82,10 +82,9 @@ def _numpy_bytes(t: torch.Tensor) -> memoryview | None:
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
     """Bytes of a contiguous CPU tensor, without copying."""
-    if t.dtype in _NUMPY_VIEWABLE and not t.requires_grad and not t.is_conj() and not t.is_neg():
-        fast = _numpy_bytes(t)
-        if fast is not None:
-            return fast
+    fast = _numpy_bytes(t)
+    if fast is not None:
+        return fast
     if t.numel() == 0:
         return memoryview(b"")
     # as_strided, not reshape: a "contiguous" tensor may have any stride on size-1 dims (x[::2][:1])
