@@ -502,7 +502,7 @@ def test_a_residual_that_stores_in_almost_nothing_is_not_weighed_against_its_blo
 
 
 def test_a_blocks_raw_estimate_is_reused_for_later_saves_unless_the_residual_comes_close():
-    """Raw estimates of a record's blocks are remembered by save and reused for RAW_REUSE saves; a residual whose
+    """Raw estimates of a record's blocks are remembered by step and reused for RAW_REUSE steps; a residual whose
     estimate comes CLOSE to the remembered one, or an older estimate, has the block estimated again."""
     import numpy as np
 
@@ -519,9 +519,9 @@ def test_a_blocks_raw_estimate_is_reused_for_later_saves_unless_the_residual_com
     try:
         predict_module._estimate = lambda sample, itemsize: estimated.append(len(sample)) or real(sample, itemsize)
 
-        def blocks(residual, save):
+        def blocks(residual, step):
             estimated.clear()
-            found = predict_module._raw_blocks(actual, residual, block, known, save)
+            found = predict_module._raw_blocks(actual, residual, block, known, step)
             return found, len(estimated)
 
         assert blocks(noisy, 1) == ([], 2)  # the residual's estimate and the block's, remembered

@@ -33,9 +33,9 @@ SAMPLE = 1 << 14
 #: blocks smaller than this are judged by their count of non-zero bytes (too little for zstd to say)
 SMALL = 4096
 _ESTIMATOR = zstandard.ZstdCompressor(level=1)
-#: saves a block's raw estimate is reused for, unless its residual's estimate comes close to it (a record's raw
-#: bytes compress alike from one step to the next, and a prediction rarely comes near them: one estimate per block
-#: and save, the residual's, is what decides)
+#: steps a block's raw estimate is reused for (predicted saves are one step apart), unless its residual's
+#: estimate comes close to it (a record's raw bytes compress alike from one step to the next, and a prediction
+#: rarely comes near them: one estimate per block and save, the residual's, is what decides)
 RAW_REUSE = 16
 #: a residual estimate at least this fraction of the block's remembered raw estimate has the raw bytes estimated again
 CLOSE = 0.75
@@ -74,9 +74,8 @@ class Predictor:
     #: the model array each optimizer parameter was paired with by a trial that matched (:data:`LIKELY`), taken
     #: again without one until its prediction stops paying
     _pairings: dict[tuple[str, int], str] = field(default_factory=dict)
-    #: per record path and block: its raw bytes' estimate (compressed fraction of the sample, save number)
+    #: per record path and block: its raw bytes' estimate (compressed fraction of the sample, step it was made at)
     _raw_estimates: dict[str, dict[int, tuple[float, int]]] = field(default_factory=dict)
-    _saves: int = 0  # predictions made, the clock of ``_raw_estimates``
 
     def apply(self, snapshot: Snapshot, latest: Manifest | None, step: int, block: int,
               pool: ThreadPoolExecutor | None = None) -> Snapshot:
@@ -100,7 +99,6 @@ class Predictor:
                    from_step: int, block: int, pool: ThreadPoolExecutor | None) -> Snapshot:
         records, views = list(snapshot.records), list(snapshot.views)
         last_read = {i.path: n for n, plan in enumerate(plans) for i in plan.inputs if i.level == 1}
-        self._saves += 1
         for n, plan in enumerate(plans):
             record = records[plan.index]
             actual = current[record.path]
@@ -108,7 +106,7 @@ class Predictor:
             residual = self._residual_buffer(record.path, actual, kept, last_read.get(record.path, -1) <= n)
             residual_of(plan.op, inputs, plan.scalars, residual, actual, RESIDUAL, pool)
             raw_blocks = _raw_blocks(actual, residual, block, self._raw_estimates.setdefault(record.path, {}),
-                                     self._saves)
+                                     from_step + 1)
             if len(raw_blocks) * block >= record.nbytes:
                 if plan.slot is not None:  # the pairing may be wrong now: the next save tries the lookalikes again
                     self._pairings.pop(plan.slot, None)
@@ -192,9 +190,7 @@ def _plans(snapshot: Snapshot, slots: dict[tuple[str, int], ParamSlot], kept: _K
         dtype = np.dtype(np.float32) if by_path[next(iter(paths.values()))].dtype == "float32" else np.dtype(np.float64)
         candidates = [records[i].path for i in slot.candidates if records[i].path in ready and records[i].path not in chosen]
         found = make(slot, before, paths, candidates[0] if candidates else None, dtype)
-        parameter = None
         if found and found[-1][1] in PARAMETER_OPS:
-            parameter = key
             if pairings.get(key) in candidates:  # paired by a convincing trial at an earlier save
                 found[-1] = _paired(found[-1], pairings[key])
             elif len(candidates) > 1:
@@ -202,7 +198,7 @@ def _plans(snapshot: Snapshot, slots: dict[tuple[str, int], ParamSlot], kept: _K
                 if convincing:
                     pairings[key] = found[-1][0]
             chosen.add(found[-1][0])
-        plans.extend(_Plan(index[path], op, inputs, scalars, parameter if op in PARAMETER_OPS else None)
+        plans.extend(_Plan(index[path], op, inputs, scalars, key if op in PARAMETER_OPS else None)
                      for path, op, inputs, scalars in found)
     return plans
 
@@ -308,12 +304,13 @@ def _caster(dtype: np.dtype) -> Callable[[float], float]:
 
 
 def _raw_blocks(actual: np.ndarray, residual: np.ndarray, block: int,
-                known: dict[int, tuple[float, int]] | None = None, save: int = 0) -> list[int]:
+                known: dict[int, tuple[float, int]] | None = None, step: int = 0) -> list[int]:
     """Blocks (of ``block`` bytes) whose residual a zstd-1 estimate on a sample of each form says stores larger
     than the block itself. A residual that stores in a 64th of its sample is kept without estimating the block:
     the most the block could store smaller is that 64th; one of almost only zero bytes is kept without an estimate
     at all. ``known``: the record's raw estimates by block from earlier saves (updated here), reused up to
-    :data:`RAW_REUSE` saves after ``save`` made them unless the residual's estimate comes :data:`CLOSE` to one."""
+    :data:`RAW_REUSE` steps after they were made (``step``: this save's) unless the residual's estimate comes
+    :data:`CLOSE` to one."""
     raw_bytes, res_bytes = actual.view(np.uint8), residual.view(np.uint8)
     out = []
     for k, start in enumerate(range(0, len(raw_bytes), block)):
@@ -326,22 +323,22 @@ def _raw_blocks(actual: np.ndarray, residual: np.ndarray, block: int,
             continue
         estimate = _estimate(sample, actual.itemsize)
         if estimate * 64 > len(sample) and estimate > _raw_estimate(raw_bytes[mid:stop], actual.itemsize, estimate,
-                                                                    k, known, save):
+                                                                    k, known, step):
             out.append(k)
     return out
 
 
 def _raw_estimate(sample: np.ndarray, itemsize: int, residual: int, k: int, known: dict[int, tuple[float, int]] | None,
-                  save: int) -> float:
-    """Block ``k``'s raw estimate: remembered in ``known`` if made fewer than :data:`RAW_REUSE` saves ago and
+                  step: int) -> float:
+    """Block ``k``'s raw estimate: remembered in ``known`` if made fewer than :data:`RAW_REUSE` steps ago and
     ``residual`` (its residual's) is not :data:`CLOSE` to it, else made now (and remembered)."""
     if known is not None and k in known:
         fraction, made = known[k]
-        if save - made < RAW_REUSE and residual < CLOSE * fraction * len(sample):
+        if step - made < RAW_REUSE and residual < CLOSE * fraction * len(sample):
             return fraction * len(sample)
     estimate = _estimate(sample, itemsize)
     if known is not None:
-        known[k] = (estimate / len(sample), save)
+        known[k] = (estimate / len(sample), step)
     return estimate
 
 
