@@ -8,6 +8,7 @@ import os
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -95,15 +96,26 @@ def _scratch_address(_item: object) -> tuple[int, int]:
 def test_a_closed_vault_hands_its_idle_pool_to_the_next_vault(tmp_path: Path, no_spare_pools: None) -> None:
     """The next vault runs on the same threads, which find their buffers where they left them: fresh memory
     would be page-faulted in again."""
+    def on_every_thread(pool: ThreadPoolExecutor) -> set[tuple[int, int]]:
+        """_scratch_address on each of the pool's 3 threads: the tasks meet at a barrier, as on a busy machine one
+        thread could run all three before the others start."""
+        met = threading.Barrier(3)
+
+        def task(item: int) -> tuple[int, int]:
+            met.wait(timeout=60)
+            return _scratch_address(item)
+
+        return set(map_all(pool, task, range(3)))
+
     first = Vault(tmp_path / "a", workers=3)
-    seen = set(map_all(first.pool, _scratch_address, range(3)))
+    seen = on_every_thread(first.pool)
     first.close()
-    assert len(_parallel._spare) == 1
+    assert len(_parallel._spare) == 1 and len({t for t, _ in seen}) == 3
 
     second = Vault(tmp_path / "b", workers=3)
     try:
-        again = set(map_all(second.pool, _scratch_address, range(3)))
-        assert {t for t, _ in again} <= {t for t, _ in seen}
+        again = on_every_thread(second.pool)
+        assert {t for t, _ in again} == {t for t, _ in seen}
         assert again <= seen  # the same buffer in the same thread
         assert _parallel._spare == []  # taken, not shared
     finally:
