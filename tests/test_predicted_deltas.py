@@ -474,6 +474,38 @@ def test_blocks_whose_prediction_does_not_pay_are_stored_as_they_are(tmp_path):
         _assert_same(mgr.restore(2), saved[2])
 
 
+@pytest.mark.parametrize("name", ["adamw-groups-scheduler", "adam-amsgrad", "sgd-nesterov"])
+def test_small_records_predicted_together_store_what_separate_kernel_calls_store(tmp_path, monkeypatch, name):
+    """Records of at most BATCH_UP_TO bytes with the same kernel and constants run in one kernel call: the
+    checkpoints hold the same chunks and predictions as when each record has a call of its own, and restore exact."""
+    from ckptvault._delta import predict as predict_module
+
+    calls = []
+    real = predict_module.residual_of
+    monkeypatch.setattr(predict_module, "residual_of", lambda op, *rest: calls.append(op) or real(op, *rest))
+    make_opt, scheduler = OPTIMIZERS[name]
+    saved, together = _train(make_opt, 4, tmp_path / "together", scheduler=scheduler, async_save=False)
+    batched_calls, calls[:] = len(calls), []
+    monkeypatch.setattr(predict_module, "BATCH_UP_TO", 0)
+    separate = CheckpointManager(tmp_path / "separate", async_save=False,
+                                 delta=DeltaOptions(predict=True, max_chain=8, keyframe_every=50))
+    for step, state in saved.items():
+        separate.save(step, state)
+    with together, separate:
+        saved_calls = 0
+        for step in (2, 3, 4):
+            small = [t["predict"] for t in together.manifest(step)["tensors"] if "predict" in t and t["nbytes"] <= 4096]
+            groups = {(p["op"], json.dumps(p["scalars"])) for p in small}
+            assert len(small) >= 2 * len(groups)  # each kernel runs on both biases (or their moments) at once
+            saved_calls += len(small) - len(groups)  # one call per group instead of one per record
+        assert len(calls) - batched_calls == saved_calls
+        for step in (2, 3, 4):
+            mine, theirs = together.manifest(step), separate.manifest(step)
+            assert [t.get("predict") for t in mine["tensors"]] == [t.get("predict") for t in theirs["tensors"]]
+            assert [c["id"] for c in mine["chunks"]] == [c["id"] for c in theirs["chunks"]]
+            _assert_same(together.restore(step), saved[step])
+
+
 def test_a_residual_that_stores_in_almost_nothing_is_not_weighed_against_its_block():
     """The block estimate is skipped for a residual that stores in almost nothing, and made otherwise: a
     compressible block beside a random residual is kept raw. A residual of almost only zero bytes is not even
@@ -499,6 +531,27 @@ def test_a_residual_that_stores_in_almost_nothing_is_not_weighed_against_its_blo
     finally:
         predict_module._estimate = real
     assert estimated == [predict_module.SAMPLE] * 2  # the residual's estimate of each block, never the block's
+
+
+def test_a_small_record_is_kept_raw_when_its_residual_holds_more_non_zero_bytes_than_it():
+    """A record smaller than SMALL is one block, judged by counting non-zero bytes, with no zstd estimate."""
+    import numpy as np
+
+    from ckptvault._delta import predict as predict_module
+
+    actual = np.zeros(256, dtype=np.float32)
+    actual[:8] = 1.0  # 16 non-zero bytes
+    noisy = np.random.default_rng(0).integers(1, 1 << 8, 256, dtype=np.uint32).view(np.float32)  # 256 non-zero bytes
+    sparse = np.zeros_like(actual)
+    sparse.view(np.uint8)[:64:4] = 3  # 16 non-zero bytes: not more than the record's own
+    real = predict_module._estimate
+    try:
+        predict_module._estimate = lambda *args: pytest.fail("a small record needs no estimate")
+        assert predict_module._raw_blocks(actual, noisy, 64 << 10) == [0]
+        assert predict_module._raw_blocks(actual, sparse, 64 << 10) == []
+        assert predict_module._raw_blocks(np.ones_like(actual), noisy, 64 << 10) == []  # 512 non-zero bytes of its own
+    finally:
+        predict_module._estimate = real
 
 
 def test_a_blocks_raw_estimate_is_reused_for_later_saves_unless_the_residual_comes_close():

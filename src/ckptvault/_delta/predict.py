@@ -42,6 +42,9 @@ CLOSE = 0.75
 #: the residual saves write (``kernels.residual_of``): the zigzag-coded difference, whose high byte planes store
 #: smaller than the XOR's for first moments, and no larger for the nearly exact kinds
 RESIDUAL = "diff"
+#: records of at most this many bytes are predicted together with the others of their kernel and constants, in one
+#: call (``Predictor._batched``): a call costs more than a small record's elements (biases, norms)
+BATCH_UP_TO = 4096
 
 
 @dataclass
@@ -99,12 +102,14 @@ class Predictor:
                    from_step: int, block: int, pool: ThreadPoolExecutor | None) -> Snapshot:
         records, views = list(snapshot.records), list(snapshot.views)
         last_read = {i.path: n for n, plan in enumerate(plans) for i in plan.inputs if i.level == 1}
+        batched = self._batched(plans, records, current, kept)  # before any residual overwrites a kept array
         for n, plan in enumerate(plans):
             record = records[plan.index]
             actual = current[record.path]
-            inputs = {i.role: (current if i.level == 0 else kept.arrays)[i.path] for i in plan.inputs}
-            residual = self._residual_buffer(record.path, actual, kept, last_read.get(record.path, -1) <= n)
-            residual_of(plan.op, inputs, plan.scalars, residual, actual, RESIDUAL, pool)
+            residual = batched.get(n)
+            if residual is None:
+                residual = self._residual_buffer(record.path, actual, kept, last_read.get(record.path, -1) <= n)
+                residual_of(plan.op, _inputs(plan, current, kept), plan.scalars, residual, actual, RESIDUAL, pool)
             raw_blocks = _raw_blocks(actual, residual, block, self._raw_estimates.setdefault(record.path, {}),
                                      from_step + 1)
             if len(raw_blocks) * block >= record.nbytes:
@@ -114,9 +119,39 @@ class Predictor:
             _restore_blocks(residual, actual, raw_blocks, block)
             info = PredictInfo(plan.op, plan.inputs, plan.scalars, digest(actual), block, from_step,
                                tuple(raw_blocks), RESIDUAL)
-            records[plan.index] = replace(record, predict=info)
+            records[plan.index] = record.with_predict(info)
             views[plan.index] = residual.view(np.uint8).data
         return replace(snapshot, records=records, views=views)
+
+    def _batched(self, plans: list[_Plan], records: list[ArrayRecord], current: dict[str, np.ndarray],
+                 kept: _Kept) -> dict[int, np.ndarray]:
+        """The residuals of plans whose records hold at most :data:`BATCH_UP_TO` bytes, by plan number, each in a
+        buffer of its record's own: one kernel call per group of such plans with the same kernel, constants, dtype
+        and inputs (the kernels work element by element, so each residual is what a call of its own makes)."""
+        groups: dict[tuple[Any, ...], list[tuple[int, np.ndarray, dict[str, np.ndarray]]]] = {}
+        for n, plan in enumerate(plans):
+            actual = current[records[plan.index].path]
+            if actual.nbytes > BATCH_UP_TO:
+                continue
+            inputs = _inputs(plan, current, kept)
+            if all(len(a) == len(actual) for a in inputs.values()):
+                key = (plan.op, actual.dtype, tuple(plan.scalars.items()), tuple(inputs))
+                groups.setdefault(key, []).append((n, actual, inputs))
+        out: dict[int, np.ndarray] = {}
+        for members in groups.values():
+            if len(members) < 2:
+                continue
+            first = plans[members[0][0]]
+            inputs = {role: np.concatenate([each[role] for _n, _a, each in members]) for role in members[0][2]}
+            actuals = np.concatenate([actual for _n, actual, _i in members])
+            residuals = np.empty_like(actuals)
+            residual_of(first.op, inputs, first.scalars, residuals, actuals, RESIDUAL)
+            start = 0
+            for n, actual, _inputs_of_n in members:
+                out[n] = self._own_buffer(records[plans[n].index].path, actual)
+                out[n][:] = residuals[start:start + len(actual)]
+                start += len(actual)
+        return out
 
     def _residual_buffer(self, path: str, like: np.ndarray, kept: _Kept, free: bool) -> np.ndarray:
         """Where record ``path``'s residual goes: its own kept array from the previous save when no later prediction
@@ -124,6 +159,10 @@ class Predictor:
         own = kept.arrays.get(path)
         if free and own is not None and own.dtype == like.dtype and own.shape == like.shape:
             return own
+        return self._own_buffer(path, like)
+
+    def _own_buffer(self, path: str, like: np.ndarray) -> np.ndarray:
+        """Record ``path``'s residual buffer, kept from save to save."""
         buffer = self._buffers.get(path)
         if buffer is None or buffer.dtype != like.dtype or buffer.shape != like.shape:
             buffer = self._buffers[path] = np.empty_like(like)
@@ -157,6 +196,11 @@ class Predictor:
 
     def forget(self) -> None:
         self._kept, self._pending = None, None
+
+
+def _inputs(plan: _Plan, current: dict[str, np.ndarray], kept: _Kept) -> dict[str, np.ndarray]:
+    """The arrays ``plan``'s kernel reads, by role: this save's (level 0) or the kept ones of the save before."""
+    return {i.role: (current if i.level == 0 else kept.arrays)[i.path] for i in plan.inputs}
 
 
 def _plans(snapshot: Snapshot, slots: dict[tuple[str, int], ParamSlot], kept: _Kept, latest: Manifest,
@@ -312,6 +356,9 @@ def _raw_blocks(actual: np.ndarray, residual: np.ndarray, block: int,
     :data:`RAW_REUSE` steps after they were made (``step``: this save's) unless the residual's estimate comes
     :data:`CLOSE` to one."""
     raw_bytes, res_bytes = actual.view(np.uint8), residual.view(np.uint8)
+    if len(raw_bytes) < SMALL and len(raw_bytes) <= block:  # one block, judged as a whole (nothing to remember)
+        nonzero = int(np.count_nonzero(res_bytes))
+        return [0] if nonzero * 64 > len(res_bytes) and nonzero > np.count_nonzero(raw_bytes) else []
     out = []
     for k, start in enumerate(range(0, len(raw_bytes), block)):
         end = min(start + block, len(raw_bytes))

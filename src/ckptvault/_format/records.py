@@ -221,6 +221,12 @@ class ChainLevel:
         return {"step": self.step, "tensors": [t.to_json() for t in self.records]}
 
     @functools.cached_property
+    def residual_forms(self) -> frozenset[str]:
+        """The residual forms (``PredictInfo.residual``) its records are stored as, found once: a level passes
+        unchanged from manifest to manifest. Only for a level whose records are known."""
+        return frozenset(t.predict.residual for t in self.records if t.predict is not None)
+
+    @functools.cached_property
     def json_text(self) -> bytes:
         """The level as the manifest writes it (``_format/manifest.py``), made once."""
         return jsontext.dumps(self._json)

@@ -110,8 +110,8 @@ class ChunkTable:
 def _residual_features(tensors: tuple[TensorRecord, ...], chain: tuple[records.ChainLevel, ...]) -> tuple[str, ...]:
     """The ``requires`` features (``RESIDUALS``) of the residuals that records of this manifest, or of levels it holds
     inline, are stored as."""
-    held = [*tensors, *(t for level in chain for t in level.tensors or ())]
-    forms = {t.predict.residual for t in held if t.predict is not None}
+    forms = {t.predict.residual for t in tensors if t.predict is not None}
+    forms.update(*(level.residual_forms for level in chain if level.tensors is not None))
     return tuple(sorted(feature for form in forms if (feature := RESIDUALS[form]) is not None))
 
 

@@ -53,6 +53,13 @@ class ArrayRecord:
     #: set by the prediction step (``_delta/predict.py``): the view holds the residual against this prediction
     predict: PredictInfo | None = None
 
+    def with_predict(self, predict: PredictInfo) -> ArrayRecord:
+        """A copy holding ``predict`` (``dataclasses.replace`` checks every field, which costs more than the rest of a
+        small record's prediction)."""
+        copy = object.__new__(ArrayRecord)
+        copy.__dict__.update(self.__dict__, predict=predict)
+        return copy
+
     @property
     def logical_nbytes(self) -> int:
         """Bytes of the array as the user holds it (before any lossy encoding)."""
