@@ -232,6 +232,32 @@ def test_scalars_and_containers_exact(vault_url: str) -> None:
     assert type(restored["b"][0]) is bool and type(restored["b"][2]) is int  # bool and int stay apart
 
 
+def test_the_skeleton_of_scalars_is_the_formats_wherever_they_sit() -> None:
+    """Scalars as list and tuple items, dict values and dict keys get the nodes DESIGN's table gives; a subclass of
+    a scalar type (an IntEnum) is not taken for that type."""
+    import enum
+
+    from ckptvault._tree import flatten
+    from ckptvault.errors import UnsupportedObjectError
+
+    values = [None, True, 3, -(10**30), 2.5, -0.0, "s"]
+    nodes = [{"none": None}, {"bool": True}, {"int": 3}, {"int": -(10**30)}, {"float": "0x1.4000000000000p+1"},
+             {"float": "-0x0.0p+0"}, {"str": "s"}]
+    tree, leaves = flatten({"list": values, "tuple": tuple(values), "dict": dict(zip(values, values, strict=True))})
+    assert leaves == []
+    (_list_key, list_node), (_tuple_key, tuple_node), (_dict_key, dict_node) = tree["dict"]
+    assert list_node == {"list": nodes} and tuple_node == {"tuple": nodes}
+    assert dict_node == {"dict": [[n, n] for n in nodes]}
+    assert flatten(b"\x00\xff")[0] == {"bytes": "AP8="}
+
+    class Level(enum.IntEnum):
+        LOW = 1
+
+    for state in ([Level.LOW], {"a": Level.LOW}, {Level.LOW: 1}, {b"key": 1}):
+        with pytest.raises(UnsupportedObjectError, match="key path"):
+            flatten(state)
+
+
 def test_one_liners_and_listing(local_url: str) -> None:
     info = ckptvault.save({"x": torch.ones(3)}, local_url, step=7, metrics={"loss": 1.25}, metadata={"run": "a"})
     assert info.step == 7 and info.metrics == {"loss": 1.25} and info.metadata == {"run": "a"}

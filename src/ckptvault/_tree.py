@@ -31,7 +31,7 @@ from __future__ import annotations
 import base64
 import collections
 import pickle
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -72,6 +72,14 @@ def array_leaves(value: Any, path: str = "") -> Iterator[tuple[str, Any]]:
             yield from array_leaves(v, join_path(path, i))
 
 
+#: the node of a value of each scalar type (exactly that type: a subclass, such as an IntEnum, is no scalar here),
+#: made without a key path: a state's scalars (a random generator's 625 ints, say) outnumber its other nodes
+_SCALAR_NODES: dict[type, Callable[[Any], Node]] = {
+    type(None): lambda value: {"none": None}, bool: lambda value: {"bool": value}, int: lambda value: {"int": value},
+    float: lambda value: {"float": value.hex()}, str: lambda value: {"str": value},
+}
+
+
 class Flattener:
     """Turns a state into (skeleton, leaves). One instance per state."""
 
@@ -85,16 +93,9 @@ class Flattener:
         kind = type(value)
         if kind in (dict, collections.OrderedDict, list, tuple):
             return self._container(value, path)
-        if value is None:
-            return {"none": None}
-        if kind is bool:
-            return {"bool": value}
-        if kind is int:
-            return {"int": value}
-        if kind is float:
-            return {"float": value.hex()}
-        if kind is str:
-            return {"str": value}
+        scalar = _SCALAR_NODES.get(kind)
+        if scalar is not None:
+            return scalar(value)
         if kind is bytes:
             return {"bytes": base64.b64encode(value).decode("ascii")}
         if isinstance(value, torch.Tensor):
@@ -118,16 +119,21 @@ class Flattener:
         try:
             if isinstance(value, dict):
                 return self._dict(value, path)
-            return {type(value).__name__: [self.flatten(v, join_path(path, i)) for i, v in enumerate(value)]}
+            scalar = _SCALAR_NODES.get
+            return {type(value).__name__: [node(v) if (node := scalar(type(v))) is not None
+                                           else self.flatten(v, join_path(path, i)) for i, v in enumerate(value)]}
         finally:
             self._depth -= 1
 
     def _dict(self, value: dict[Any, Any], path: str) -> Node:
         items = []
+        scalar = _SCALAR_NODES.get
         for k, v in value.items():
-            if type(k) not in (str, int, bool, float) and k is not None:
+            key = scalar(type(k))
+            if key is None:
                 raise UnsupportedObjectError(join_path(path, k), k, "Dict keys must be str, int, float, bool or None.")
-            items.append([self.flatten(k, path), self.flatten(v, join_path(path, k))])
+            made = scalar(type(v))
+            items.append([key(k), made(v) if made is not None else self.flatten(v, join_path(path, k))])
         node: Node = {"odict" if isinstance(value, collections.OrderedDict) else "dict": items}
         attrs = getattr(value, "_metadata", None)
         if attrs is not None:
