@@ -209,6 +209,36 @@ def test_execute_rechecks_manifests_committed_after_the_plan(vault: Path) -> Non
     assert len(result.deleted) == len(doomed) - 2
 
 
+def test_maintenance_summarises_a_manifest_once_and_again_when_its_bytes_change(
+        vault: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Gc and prune read every manifest, but decode each one's bytes once per process (a retention runs after
+    every save); a manifest whose bytes changed, even with its modification time put back, is decoded again and
+    the chunks it names now stay live."""
+    from ckptvault._vault import Vault
+
+    decoded: list[int] = []
+    real = Vault.decode_manifest
+    monkeypatch.setattr(Vault, "decode_manifest", lambda self, step, data: decoded.append(step) or real(self, step, data))
+    age(vault, 2 * HOUR)
+    with CheckpointManager(vault) as mgr:
+        plan = plan_gc(mgr.vault, HOUR)
+        assert sorted(decoded) == [0, 2, 3]
+        decoded.clear()
+        plan_prune(mgr.vault, KeepLast(1))
+        assert plan_gc(mgr.vault, HOUR).candidates == plan.candidates and decoded == []
+        revived = next(g for g in plan.candidates if g.kind == "chunk").key.rsplit("/", 1)[1]
+        body = mgr.manifest(3)
+        body["chunks"].append({"id": revived, "raw": 1, "stored": 1, "new": False})
+        path = vault / manifest_key(3)
+        before = path.stat()
+        path.write_bytes(encode_manifest(body))
+        os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+        decoded.clear()
+        again = plan_gc(mgr.vault, HOUR)
+        assert decoded == [3] and revived in again.live
+        assert revived not in {g.key.rsplit("/", 1)[1] for g in again.candidates}
+
+
 def test_gc_sweeps_old_temp_files_markers_and_pins_of_deleted_steps(vault: Path) -> None:
     """The age rule also sweeps temp files, gc markers and pins of uncommitted steps named as ckptvault names them (DESIGN G2)."""
     dead, marker = f"{'d' * 32}.part", f"clock-{'0123' * 8}"  # named exactly as the store and gc name them
@@ -351,6 +381,40 @@ def test_failed_retention_does_not_fail_the_save(tmp_path: Path, caplog: pytest.
         assert "retention after step 2 was not applied: refusing" in caplog.text
 
 
+def test_a_managers_gc_with_a_grace_period_runs_at_most_once_per_sixteenth_of_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """After a prune that deleted something the manager collects garbage, then not again until gc_grace / GC_SPREAD
+    has passed; a prune meanwhile leaves it due, and it runs at the first commit after that (grace 0: each time)."""
+    from ckptvault._maintenance import prune as prune_module
+
+    clock = [1000.0]
+    runs: list[float] = []
+    real = prune_module.collect
+    monkeypatch.setattr(prune_module.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(prune_module, "collect", lambda vault, grace: runs.append(grace) or real(vault, grace))
+    grace = 16 * 60.0  # a gc at most once a minute
+    with CheckpointManager(tmp_path / "v", chunk_size=CHUNK, async_save=False, incremental=False,
+                           retention=Retention(keep_last=1, gc_grace=grace)) as mgr:
+        mgr.save(0, state_for(0))
+        assert runs == []  # nothing pruned yet
+        for step in (1, 2, 3):
+            clock[0] += 10
+            mgr.save(step, state_for(step))
+        assert runs == [grace] and mgr.steps() == [3]  # after step 1's prune only
+        clock[0] += 60
+        mgr.save(4, state_for(4))
+        assert runs == [grace, grace]
+        clock[0] += 61
+        mgr.save(4, state_for(4), overwrite=True)  # prunes nothing, and none did since the last gc
+        assert len(runs) == 2
+    with CheckpointManager(tmp_path / "w", chunk_size=CHUNK, async_save=False, incremental=False,
+                           retention=Retention(keep_last=1, gc_grace=0)) as mgr:
+        runs.clear()
+        for step in range(4):
+            mgr.save(step, state_for(step))
+        assert runs == [0.0] * 3
+
+
 @pytest.mark.parametrize("async_save", [True, False])
 def test_an_unexpected_failure_of_retention_is_reported_typed_after_the_commit(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, async_save: bool) -> None:
@@ -358,7 +422,7 @@ def test_an_unexpected_failure_of_retention_is_reported_typed_after_the_commit(
     close as a SaveError that says the checkpoint itself was committed; the checkpoint is kept."""
     import ckptvault.manager
 
-    def broken(vault: object, retention: object, step: int, exclusive: bool = False) -> None:
+    def broken(vault: object, retention: object, step: int, exclusive: bool = False, pacer: object = None) -> None:
         raise RuntimeError("retention bug")
 
     monkeypatch.setattr(ckptvault.manager, "apply_retention", broken)

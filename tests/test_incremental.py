@@ -756,3 +756,52 @@ def test_delta_saves_reread_no_manifest_their_saver_committed(tmp_path: Path) ->
     assert manifest_reads == {}, f"delta saves read manifests their saver had committed: {manifest_reads}"
     with CheckpointManager(store, chunk_size=CHUNK) as mgr:
         assert_same_state(state, mgr.restore(11))
+
+
+class ListingStore(CountingStore):
+    """A counting store that also counts listings of the manifests."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(root)
+        self.manifest_listings = 0
+
+    def list(self, prefix: str = ""):  # type: ignore[no-untyped-def]
+        if prefix.startswith("manifests"):
+            self.manifest_listings += 1
+        return super().list(prefix)
+
+
+def test_a_save_a_few_steps_after_its_savers_last_one_finds_its_base_without_listing_the_vault(tmp_path: Path) -> None:
+    """Consecutive saves, and saves a few steps apart (up to policy.NEARBY), take the step their saver committed last
+    as the one before them, checking the steps in between by name: the vault's manifests are never listed, however
+    many it holds. Further apart, the manifests are listed."""
+    store = ListingStore(tmp_path / "v")
+    state = {"w": torch.arange(4096, dtype=torch.float32)}
+    with CheckpointManager(store, chunk_size=CHUNK, async_save=False, keyframe_every=50) as mgr:
+        mgr.save(0, state)
+        listed = store.manifest_listings
+        for step in [*range(1, 6), 9, 9 + policy.NEARBY]:
+            state["w"][step % 4096] += 1.0
+            mgr.save(step, state)
+        assert store.manifest_listings == listed
+        assert cadence(mgr) == [(0, n) for n in range(8)]
+        listed = store.manifest_listings
+        mgr.save(10 + 2 * policy.NEARBY, state)
+        assert store.manifest_listings == listed + 1
+        assert cadence(mgr)[-1] == (0, 8)
+
+
+def test_a_step_another_writer_committed_in_between_or_the_loss_of_the_last_one_is_noticed(tmp_path: Path) -> None:
+    """The by-name lookup of the previous step sees a step committed in between by another manager (a delta after
+    it, not after the saver's own last one), and a last step deleted since (a delta after the one before it)."""
+    state = {"w": torch.arange(4096, dtype=torch.float32)}
+    with CheckpointManager(tmp_path / "v", chunk_size=CHUNK, async_save=False, keyframe_every=50) as mine, \
+            CheckpointManager(tmp_path / "v", chunk_size=CHUNK, async_save=False, keyframe_every=50) as other:
+        mine.save(0, state)
+        mine.save(1, state)
+        other.save(2, state)  # its manager lists the vault: a delta after step 1
+        mine.save(4, state)
+        assert cadence(mine) == [(0, 0), (0, 1), (0, 2), (0, 3)]
+        mine.delete(4)
+        mine.save(5, state)  # step 4, the last it committed, is gone: after step 2
+        assert [(s, mine.manifest(s)["since_keyframe"]) for s in mine.steps()] == [(0, 0), (1, 1), (2, 2), (5, 3)]

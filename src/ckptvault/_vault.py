@@ -132,12 +132,20 @@ class Vault:
 
     def read_manifest(self, step: int) -> Manifest:
         """The verified manifest of ``step``; StepNotFoundError if not committed."""
+        return self.decode_manifest(step, self.manifest_bytes(step))
+
+    def manifest_bytes(self, step: int) -> bytes:
+        """The stored bytes of ``step``'s manifest, not verified yet (:meth:`decode_manifest` does); StepNotFoundError
+        if not committed."""
         self.descriptor()  # raises FormatVersionError for a vault of a newer format before anything is read
         try:
-            data = self.store.get(manifest_key(step))
+            return self.store.get(manifest_key(step))
         except ObjectNotFoundError:
             self.require()
             raise StepNotFoundError(step, self.url, self.steps()) from None
+
+    def decode_manifest(self, step: int, data: bytes) -> Manifest:
+        """The manifest ``data`` (:meth:`manifest_bytes`) holds, verified as ``step``'s of this vault."""
         return decode_manifest(data, f"{manifest_key(step)} in {self.url}", step, self.require().chunk_size)
 
     def chunk_size(self) -> int:

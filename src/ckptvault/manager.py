@@ -19,6 +19,7 @@ from ._feedback import reissue_deferred
 from ._format.manifest import manifest_key
 from ._format.schema import MAX_STEP
 from ._maintenance.mixin import MaintenanceMixin, apply_retention
+from ._maintenance.prune import GcPacer
 from ._maintenance.retention import Policy, Retention
 from ._parallel import pause_collector, resume_collector
 from ._reports.verify import VerifyReport, verify_steps
@@ -115,6 +116,7 @@ class CheckpointManager(MaintenanceMixin):
         self.retention = Retention.coerce(retention)
         check_kind("exclusive", exclusive, bool)
         self.exclusive = exclusive
+        self._gc_pacer = GcPacer()
         self._preemption: PreemptionHandler | None = None
         self._collective = self._join_job(distributed, async_save, incremental, delta, async_options, lossy_safety)
         self._saver = self._make_saver(url, storage_options, async_save, delta, async_options, lossy_safety)
@@ -234,7 +236,7 @@ class CheckpointManager(MaintenanceMixin):
     def _after_commit(self, step: int) -> None:
         load_if_worth_it()  # numba's byte-plane kernels, once this process has split enough bytes (planes.LOAD_AFTER)
         if self.retention is not None:  # only now that the checkpoint is durable; exclusive: DESIGN G6
-            apply_retention(self.vault, self.retention, step, exclusive=self.exclusive)
+            apply_retention(self.vault, self.retention, step, exclusive=self.exclusive, pacer=self._gc_pacer)
 
     def wait(self) -> None:
         """Wait until every save in flight is committed; raise the error of any failed save."""

@@ -271,7 +271,7 @@ def retention_fails(rank: int, world: int, store: str, url: str, out: str) -> No
     after an asynchronous save, and what the vault holds after."""
     import ckptvault.manager
 
-    def broken(vault: object, retention: object, step: int, exclusive: bool = False) -> None:
+    def broken(vault: object, retention: object, step: int, exclusive: bool = False, pacer: object = None) -> None:
         raise RuntimeError("retention bug")
 
     ckptvault.manager.apply_retention = broken  # type: ignore[assignment]

@@ -260,6 +260,7 @@ class ManifestCache:
     def __init__(self) -> None:
         self._entries: dict[str, tuple[int, float, Manifest]] = {}
         self._keyframe: dict[str, tuple[int, float, Manifest]] = {}  # the last keyframe: every delta after it reads it
+        self.last_step: int | None = None  # the step of the manifest noted last
 
     def note(self, vault: Vault, manifest: Manifest) -> None:
         """Remember committed ``manifest`` as its object is now."""
@@ -269,6 +270,7 @@ class ManifestCache:
         if manifest.keyframe == manifest.step:
             self._keyframe = {key: entry}
         self._entries[key] = entry
+        self.last_step = manifest.step
         while len(self._entries) > self.KEEP:
             del self._entries[next(iter(self._entries))]
 
@@ -285,12 +287,14 @@ def delta_context(vault: Vault, policy: DeltaPolicy, step: int, cache: ManifestC
     taken from ``cache`` while the stat matches). A keyframe that was deleted,
     or any unreadable manifest, simply makes this save a keyframe.
     """
-    earlier = [s for s in vault.steps() if s < step]
-    if not policy.enabled or not earlier:
+    if not policy.enabled:
+        return DeltaContext()
+    previous = _previous_step(vault, step, cache)
+    if previous is None:
         return DeltaContext()
     watched: dict[str, tuple[int, float]] = {}
     try:
-        latest = _read_watched(vault, earlier[-1], watched, cache)
+        latest = _read_watched(vault, previous, watched, cache)
         keyframe = latest if latest.keyframe == latest.step else _read_watched(vault, latest.keyframe, watched, cache)
     except VaultError as exc:
         log.info("writing a keyframe: no usable previous keyframe (%s)", exc)
@@ -301,6 +305,24 @@ def delta_context(vault: Vault, policy: DeltaPolicy, step: int, cache: ManifestC
     if policy.needs_keyframe(latest, keyframe):
         return DeltaContext(known_bases=known, known_stored=stored, guard=guard)
     return DeltaContext(keyframe, known, stored, latest.since_keyframe + 1, guard=guard, latest=latest)
+
+
+#: a save at most this many steps after the last one its saver committed looks for the steps in between by name;
+#: any other lists the vault's manifests, which takes longer the more checkpoints the vault holds
+NEARBY = 8
+
+
+def _previous_step(vault: Vault, step: int, cache: ManifestCache | None) -> int | None:
+    """The latest step committed before ``step``, or None. Where ``cache`` noted a step shortly before ``step`` (a save
+    every step or every few), that step if it is still committed and none between it and ``step`` is (one ``exists``
+    per step between: none for consecutive steps), else the latest before ``step`` in a listing of the manifests."""
+    last = None if cache is None else cache.last_step
+    if last is not None and last < step <= last + NEARBY:
+        store = vault.store
+        if store.exists(manifest_key(last)) and not any(store.exists(manifest_key(s)) for s in range(last + 1, step)):
+            return last
+    earlier = [s for s in vault.steps() if s < step]
+    return earlier[-1] if earlier else None
 
 
 def _read_watched(vault: Vault, step: int, watched: dict[str, tuple[int, float]], cache: ManifestCache | None

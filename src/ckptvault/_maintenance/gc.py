@@ -28,11 +28,15 @@ the marker cannot be written (read-only store), with a warning.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
+
+import blake3
 
 from .._argcheck import check_kind
 from .._format.chunk_object import CHUNKS_PREFIX
@@ -253,14 +257,50 @@ def read_summaries(vault: Vault, listed: Iterable[ObjectInfo]) -> dict[int, Mani
 
 
 def _summarise(vault: Vault, step: int) -> ManifestSummary | str | None:
-    """The parts of a manifest maintenance needs, None if it vanished, or a problem description."""
+    """The parts of a manifest maintenance needs, None if it vanished, or a problem description. Each manifest's is
+    made once per process: remembered by the exact bytes it was made from (a retention applied after every save
+    reads every kept manifest each time)."""
     try:
-        m = vault.read_manifest(step)
+        data = vault.manifest_bytes(step)
+        key = (blake3.blake3(data).digest(), step, vault.chunk_size())
+        summary = _summaries.get(key)
+        if summary is None:
+            m = vault.decode_manifest(step, data)
+            summary = ManifestSummary(step, m.time, m.metrics, m.keyframe, m.chunk_bases(),
+                                      {c.id: c.stored for c in m.chunks})
+            _summaries.put(key, summary)
     except StepNotFoundError:
         return None
     except (CorruptDataError, FormatVersionError, StorageError) as exc:
         return f"{type(exc).__name__}: {exc}"
-    return ManifestSummary(step, m.time, m.metrics, m.keyframe, m.chunk_bases(), {c.id: c.stored for c in m.chunks})
+    return summary
+
+
+class _Summaries:
+    """The summaries of the last :data:`SUMMARIES_KEPT` manifests summarised, by the BLAKE3 of their bytes, step
+    and chunk size (a summary is a function of those alone). Thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._found: OrderedDict[tuple[bytes, int, int], ManifestSummary] = OrderedDict()
+
+    def get(self, key: tuple[bytes, int, int]) -> ManifestSummary | None:
+        with self._lock:
+            summary = self._found.get(key)
+            if summary is not None:
+                self._found.move_to_end(key)
+            return summary
+
+    def put(self, key: tuple[bytes, int, int], summary: ManifestSummary) -> None:
+        with self._lock:
+            self._found[key] = summary
+            while len(self._found) > SUMMARIES_KEPT:
+                self._found.popitem(last=False)
+
+
+#: manifests whose summaries are remembered (a summary holds a manifest's chunk ids: about 200 bytes a chunk)
+SUMMARIES_KEPT = 2048
+_summaries = _Summaries()
 
 
 def _follow_bases(vault: Vault, live: set[str], bases: dict[str, str | None]) -> None:

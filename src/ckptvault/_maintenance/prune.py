@@ -136,8 +136,35 @@ def prune(vault: Vault, retention: Retention | Policy | Iterable[Policy], *, dry
     return plan, (None if dry_run else execute_prune(vault, plan))
 
 
-def apply_retention(vault: Vault, retention: Retention, step: int, exclusive: bool = False) -> PruneResult | None:
-    """What ``CheckpointManager`` runs after committing ``step``: prune (keeping ``step``), then gc if asked.
+#: a manager's gc with ``Retention.gc_grace`` runs at most once per this fraction of the grace period
+#: (:class:`GcPacer`)
+GC_SPREAD = 16
+
+
+class GcPacer:
+    """When a manager's retention collects garbage with its grace period: after a prune that deleted something, but
+    at most once every ``gc_grace / GC_SPREAD`` seconds, and then if any prune deleted something since the last one.
+    Only chunks older than ``gc_grace`` go, so one gc frees what a gc after each prune of a save every step would
+    (each listing every chunk of the vault), at most a sixteenth of the grace period later."""
+
+    def __init__(self) -> None:
+        self._due = False
+        self._last: float | None = None  # time.monotonic() of the last gc
+
+    def due(self, pruned: bool, grace: float) -> bool:
+        """Whether to collect now, after a prune that ``pruned`` something or not; True also marks it done."""
+        self._due = self._due or pruned
+        now = time.monotonic()
+        if not self._due or (self._last is not None and now - self._last < grace / GC_SPREAD):
+            return False
+        self._due, self._last = False, now
+        return True
+
+
+def apply_retention(vault: Vault, retention: Retention, step: int, exclusive: bool = False,
+                    pacer: GcPacer | None = None) -> PruneResult | None:
+    """What ``CheckpointManager`` runs after committing ``step``: prune (keeping ``step``), then gc if asked (paced
+    by ``pacer``; without one, after every prune that deleted something).
 
     ``exclusive`` (the manager is the vault's only writer; it runs this in its save task, so no save of its own
     is in flight): the chunks only the manifests this prune deleted named, which no remaining manifest reaches,
@@ -152,7 +179,8 @@ def apply_retention(vault: Vault, retention: Retention, step: int, exclusive: bo
                 freed = execute_gc(vault, plan_gc(vault, 0.0, only=plan.released_chunks))
                 log.info("exclusive retention after step %d freed %d chunks (%d bytes) of pruned steps %s", step,
                          len(freed.deleted), freed.bytes_freed, result.deleted)
-        if result is not None and result.deleted and retention.gc:
+        pruned = result is not None and bool(result.deleted)
+        if retention.gc and (pacer.due(pruned, retention.gc_grace) if pacer is not None else pruned):
             collect(vault, retention.gc_grace)
         return result
     except VaultError as exc:

@@ -186,7 +186,8 @@ class Retention:
 
     ``gc`` and ``gc_grace`` only matter to ``CheckpointManager(retention=...)``:
     after a prune that dropped something, it collects garbage with that grace
-    period (seconds), so chunks of dropped checkpoints are freed once that old.
+    period (seconds), so chunks of dropped checkpoints are freed once that old
+    (at most once per sixteenth of the grace period: docs/DESIGN.md section 11).
 
     What it does to disk: a prune deletes manifests only. Besides what the
     policies keep, the latest step, every pinned step and the keyframe of every
