@@ -15,6 +15,7 @@ import torch
 from ckptvault import CheckpointManager, DeltaOptions
 from ckptvault._format import manifest as manifest_module
 from ckptvault._format.manifest import decode_manifest, encode_manifest, manifest_key
+from ckptvault._remembered import Remembered
 from ckptvault.errors import CorruptManifestError
 
 
@@ -29,7 +30,7 @@ def checks(monkeypatch: pytest.MonkeyPatch) -> list[int | None]:
         return real(body, what, step, chunk_size)
 
     monkeypatch.setattr(manifest_module, "check_manifest", counted)
-    monkeypatch.setattr(manifest_module, "_checked", manifest_module._Checked())
+    monkeypatch.setattr(manifest_module, "_checked", Remembered(manifest_module.CHECKED_KEPT))
     return ran
 
 

@@ -12,13 +12,12 @@ and the final ``}``. Body fields are documented in docs/DESIGN.md.
 from __future__ import annotations
 
 import json
-import threading
-from collections import OrderedDict
 from dataclasses import replace
 from typing import Any
 
 import blake3
 
+from .._remembered import Remembered
 from ..errors import CorruptManifestError
 from . import jsontext
 from .keys import step_of_manifest_key
@@ -84,32 +83,12 @@ def decode_manifest(data: bytes, where: str, step: int | None = None,
     return manifest
 
 
-class _Checked:
-    """The last :data:`CHECKED_KEPT` manifests this process checked, by their exact bytes, step and chunk size: the
-    schema check is a function of those alone, so the same bytes read again (a repeated restore, a manager
-    reading its own manifests) skip it and are only parsed. Thread-safe."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._found: OrderedDict[tuple[bytes, int | None, int], Manifest] = OrderedDict()
-
-    def get(self, key: tuple[bytes, int | None, int]) -> Manifest | None:
-        with self._lock:
-            manifest = self._found.get(key)
-            if manifest is not None:
-                self._found.move_to_end(key)
-            return manifest
-
-    def put(self, key: tuple[bytes, int | None, int], manifest: Manifest) -> None:
-        with self._lock:
-            self._found[key] = manifest
-            while len(self._found) > CHECKED_KEPT:
-                self._found.popitem(last=False)
-
-
 #: manifests whose check is remembered, and the largest remembered (larger ones are checked every time)
 CHECKED_KEPT, CHECKED_MAX_BYTES = 8, 1 << 20
-_checked = _Checked()
+#: the last CHECKED_KEPT manifests this process checked, by their exact bytes, step and chunk size: the schema check
+#: is a function of those alone, so the same bytes read again (a repeated restore, a manager reading its own
+#: manifests) skip it and are only parsed
+_checked: Remembered[tuple[bytes, int | None, int], Manifest] = Remembered(CHECKED_KEPT)
 
 
 def parse_json(data: bytes, what: str, error: type[Exception]) -> Any:

@@ -28,10 +28,8 @@ the marker cannot be written (read-only store), with a warning.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 import uuid
-from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,6 +40,7 @@ from .._argcheck import check_kind
 from .._format.chunk_object import CHUNKS_PREFIX
 from .._format.keys import MANIFESTS_PREFIX, MARKER_PREFIX, chunk_id_of_key, is_marker_key, is_temp_key
 from .._format.manifest import step_of_key
+from .._remembered import Remembered
 from .._vault import Vault
 from ..errors import (
     CorruptDataError,
@@ -276,31 +275,10 @@ def _summarise(vault: Vault, step: int) -> ManifestSummary | str | None:
     return summary
 
 
-class _Summaries:
-    """The summaries of the last :data:`SUMMARIES_KEPT` manifests summarised, by the BLAKE3 of their bytes, step
-    and chunk size (a summary is a function of those alone). Thread-safe."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._found: OrderedDict[tuple[bytes, int, int], ManifestSummary] = OrderedDict()
-
-    def get(self, key: tuple[bytes, int, int]) -> ManifestSummary | None:
-        with self._lock:
-            summary = self._found.get(key)
-            if summary is not None:
-                self._found.move_to_end(key)
-            return summary
-
-    def put(self, key: tuple[bytes, int, int], summary: ManifestSummary) -> None:
-        with self._lock:
-            self._found[key] = summary
-            while len(self._found) > SUMMARIES_KEPT:
-                self._found.popitem(last=False)
-
-
-#: manifests whose summaries are remembered (a summary holds a manifest's chunk ids: about 200 bytes a chunk)
+#: manifests whose summaries are remembered (a summary holds a manifest's chunk ids: about 200 bytes a chunk), by
+#: the BLAKE3 of their bytes, step and chunk size (a summary is a function of those alone)
 SUMMARIES_KEPT = 2048
-_summaries = _Summaries()
+_summaries: Remembered[tuple[bytes, int, int], ManifestSummary] = Remembered(SUMMARIES_KEPT)
 
 
 def _follow_bases(vault: Vault, live: set[str], bases: dict[str, str | None]) -> None:
