@@ -15,7 +15,7 @@ import torch
 from ckptvault import CheckpointManager, DeltaOptions
 from ckptvault._format import manifest as manifest_module
 from ckptvault._format.manifest import decode_manifest, encode_manifest, manifest_key
-from ckptvault._remembered import Remembered
+from ckptvault._format.remembered import Remembered
 from ckptvault.errors import CorruptManifestError
 
 

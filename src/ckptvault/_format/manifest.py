@@ -17,11 +17,11 @@ from typing import Any
 
 import blake3
 
-from .._remembered import Remembered
 from ..errors import CorruptManifestError
 from . import jsontext
 from .keys import step_of_manifest_key
 from .records import Manifest
+from .remembered import Remembered
 from .schema import MAX_CHUNK_SIZE, check_manifest
 
 _PREFIX = b'{"blake3":"'

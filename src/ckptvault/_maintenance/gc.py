@@ -40,7 +40,7 @@ from .._argcheck import check_kind
 from .._format.chunk_object import CHUNKS_PREFIX
 from .._format.keys import MANIFESTS_PREFIX, MARKER_PREFIX, chunk_id_of_key, is_marker_key, is_temp_key
 from .._format.manifest import step_of_key
-from .._remembered import Remembered
+from .._format.remembered import Remembered
 from .._vault import Vault
 from ..errors import (
     CorruptDataError,

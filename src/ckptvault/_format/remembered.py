@@ -1,5 +1,5 @@
 """A thread-safe memo of the last results by key, the least recently used dropped first: for results that are a
-function of their key alone (a manifest's check or summary, by its exact bytes)."""
+function of their key alone (a manifest's check, and maintenance's summary of it, by the manifest's bytes)."""
 
 from __future__ import annotations
 
