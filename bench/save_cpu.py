@@ -4,6 +4,7 @@
     .venv/bin/python bench/save_cpu.py --pairs 4 --mode sync --base-src /tmp/base/src
     .venv/bin/python bench/save_cpu.py --pairs 7 --mode process --base-src /tmp/base/src
     .venv/bin/python bench/save_cpu.py --pairs 6 --mode blocked --base-src /tmp/base/src
+    .venv/bin/python bench/save_cpu.py --pairs 4 --mode process --retention --base-src /tmp/base/src
 
 ``--base-src``: the ``src`` folder of the code to compare with (for example ``git archive <commit> src | tar -x -C
 /tmp/base``), run through ``PYTHONPATH``; each pair runs it and then this checkout's ``src``, each in a new process.
@@ -17,6 +18,8 @@
 - ``blocked``: the same manager (``saver="process"``), 40 steps, each save waited for before the next step;
   reported: the median time ``save()`` took in the training thread (the snapshot into shared memory and the
   message to the saver process), with nothing queued.
+
+``--retention``: the manager prunes after every save with ``Retention(keep_last=3, keep_every=25)``.
 
 Prints one line per process and the medians of each side. ``OMP_WAIT_POLICY=PASSIVE``.
 """
@@ -42,6 +45,12 @@ DELTA = {"predict": True, "keyframe_every": 20, "max_chain": 19}
 STEPS = 60
 
 
+def retention() -> object:
+    from ckptvault import Retention
+
+    return Retention(keep_last=3, keep_every=25) if os.environ.get("BENCH_RETENTION") == "1" else None
+
+
 def run_sync(work: Path) -> dict[str, float]:
     from ckptvault import CheckpointManager, DeltaOptions
     from ckptvault._codecs.planes import load_kernels_in_background, wait_for_kernel_loading
@@ -54,7 +63,7 @@ def run_sync(work: Path) -> dict[str, float]:
         states.append((trainer.step, copy_state(trainer.state())))
     load_kernels_in_background()
     wait_for_kernel_loading()
-    with CheckpointManager(work, async_save=False, delta=DeltaOptions(**DELTA)) as mgr:
+    with CheckpointManager(work, async_save=False, delta=DeltaOptions(**DELTA), retention=retention()) as mgr:
         for step, state in states[:2]:
             mgr.save(step, state)
         wall, cpu = time.perf_counter(), time.process_time()
@@ -70,7 +79,7 @@ def run_process(work: Path) -> dict[str, float]:
 
     trainer = Trainer(TrainConfig())
     trainer.train_step()
-    mgr = CheckpointManager(work, delta=DeltaOptions(**DELTA),
+    mgr = CheckpointManager(work, delta=DeltaOptions(**DELTA), retention=retention(),
                             async_options=AsyncOptions(saver="idle-process", max_in_flight=4))
     with mgr:
         mgr.save(trainer.step, trainer.state()).wait()
@@ -94,7 +103,7 @@ def run_blocked(work: Path) -> dict[str, float]:
     trainer = Trainer(TrainConfig())
     trainer.train_step()
     blocked = []
-    with CheckpointManager(work, delta=DeltaOptions(**DELTA),
+    with CheckpointManager(work, delta=DeltaOptions(**DELTA), retention=retention(),
                            async_options=AsyncOptions(saver="process", max_in_flight=4)) as mgr:
         mgr.save(trainer.step, trainer.state()).wait()
         for _ in range(40):
@@ -120,6 +129,7 @@ def main() -> None:
     parser.add_argument("--mode", choices=tuple(MODES), default="sync")
     parser.add_argument("--pairs", type=int, default=4, help="processes of each side, alternating (default 4)")
     parser.add_argument("--base-src", type=Path, help="the src folder of the code to compare with (required)")
+    parser.add_argument("--retention", action="store_true", help="prune after every save (keep_last=3, keep_every=25)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -132,7 +142,8 @@ def main() -> None:
     results: dict[str, list[dict[str, float]]] = {name: [] for name in sides}
     for _ in range(args.pairs):
         for name, src in sides.items():
-            env = {**os.environ, "PYTHONPATH": str(src), "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
+            env = {**os.environ, "PYTHONPATH": str(src), "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE"),
+                   "BENCH_RETENTION": "1" if args.retention else "0"}
             out = subprocess.run([sys.executable, __file__, "--child", "--mode", args.mode], env=env, check=True,
                                  capture_output=True, text=True).stdout
             results[name].append(json.loads(out.strip().splitlines()[-1]))

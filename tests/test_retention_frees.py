@@ -11,9 +11,10 @@ import os
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
-from ckptvault import CheckpointManager, DeltaOptions, Retention
+from ckptvault import AsyncOptions, CheckpointManager, DeltaOptions, Retention
 from conftest import assert_same_state, chunk_files
 
 CHUNK = 64 << 10
@@ -33,9 +34,9 @@ def chunk_bytes(vault: Path) -> int:
     return sum(p.stat().st_size for p in chunk_files(vault))
 
 
-def manager(vault: Path, exclusive: bool) -> CheckpointManager:
+def manager(vault: Path, exclusive: bool, saver: str = "thread") -> CheckpointManager:
     return CheckpointManager(str(vault), chunk_size=CHUNK, retention=Retention(keep_last=2), exclusive=exclusive,
-                             delta=DeltaOptions(keyframe_every=3))
+                             delta=DeltaOptions(keyframe_every=3), async_options=AsyncOptions(saver=saver))
 
 
 def foreign_chunk(vault: Path) -> Path:
@@ -45,10 +46,10 @@ def foreign_chunk(vault: Path) -> Path:
     return path
 
 
-def run(vault: Path, exclusive: bool) -> tuple[list[int], list[set[Path]]]:
+def run(vault: Path, exclusive: bool, saver: str = "thread") -> tuple[list[int], list[set[Path]]]:
     """Save every step (waiting for its retention); the chunk bytes and chunk files after each."""
     sizes, files = [], []
-    with manager(vault, exclusive) as mgr:
+    with manager(vault, exclusive, saver) as mgr:
         mgr.save(0, {"step": 0}).wait()  # creates the vault, so the foreign chunk goes into a real one
         foreign = foreign_chunk(vault)
         for step in STEPS:
@@ -60,10 +61,11 @@ def run(vault: Path, exclusive: bool) -> tuple[list[int], list[set[Path]]]:
     return sizes, files
 
 
-def test_exclusive_retention_frees_released_chunks_at_once(tmp_path: Path) -> None:
+@pytest.mark.parametrize("saver", ["thread", "process"])  # the saver process applies the retention itself
+def test_exclusive_retention_frees_released_chunks_at_once(tmp_path: Path, saver: str) -> None:
     """(DESIGN G6) chunk bytes shrink right after a prune; only referenced chunks (and the foreign one) remain."""
     vault = tmp_path / "v"
-    sizes, files = run(vault, exclusive=True)
+    sizes, files = run(vault, exclusive=True, saver=saver)
     assert any(b < a for a, b in zip(sizes, sizes[1:])), f"chunk bytes never shrank: {sizes}"
     with CheckpointManager(str(vault)) as mgr:
         kept = mgr.steps()

@@ -24,6 +24,7 @@ from ckptvault._save.process_saver import ProcessSaver
 from ckptvault.errors import InvalidArgumentError, LossyCodecError, SaveError
 from ckptvault.stores import open_store
 from helpers.one_rank_job import made_in_a_job
+from helpers.recording_policy import RecordingKeepLast
 
 pytestmark = pytest.mark.skipif(os.name != "posix", reason="a saver process needs a POSIX system")
 
@@ -286,6 +287,69 @@ def test_retention_and_a_growing_staging_buffer_with_a_saver_process(tmp_path: P
         assert mgr.steps() == [3, 4]
         _same(mgr.restore(3), states[2])
         _same(mgr.restore(4), states[3])
+
+
+def _retention_run(tmp_path: Path, policy: Any) -> set[int]:
+    """Six saves of a changing state with ``policy``; the pids of the saver processes."""
+    pids = set()
+    with CheckpointManager(tmp_path / "v", async_options=PROCESS, retention=policy) as mgr:
+        for step in range(1, 7):
+            mgr.save(step, {"w": torch.full((1000,), float(step))})
+            pids.add(mgr._saver.pid)
+        mgr.wait()
+    return pids
+
+
+def test_retention_runs_in_the_saver_process_where_its_policies_unpickle(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).parent))  # the saver process can import helpers/
+    log = tmp_path / "applied-by"
+    saver_pids = _retention_run(tmp_path, RecordingKeepLast(2, str(log)))
+    appliers = log.read_text().split()
+    assert len(appliers) == 6 and set(map(int, appliers)) == saver_pids != {os.getpid()}
+    with CheckpointManager(tmp_path / "v") as again:
+        assert again.steps() == [1, 5, 6]  # 1: the keyframe of 5 and 6
+        _same(again.restore(5), {"w": torch.full((1000,), 5.0)})
+
+
+def test_retention_the_saver_process_cannot_unpickle_runs_in_the_training_process(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("PYTHONPATH", raising=False)  # the policy's module is not importable in the saver process
+    log = tmp_path / "applied-by"
+    _retention_run(tmp_path, [RecordingKeepLast(2, str(log))])
+    assert log.read_text().split() == [str(os.getpid())] * 6
+    with CheckpointManager(tmp_path / "v") as again:
+        assert again.steps() == [1, 5, 6]
+
+
+def test_an_exclusive_retention_in_the_training_process_lets_no_save_overlap_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """(DESIGN G6) it frees released chunks at once, so each save waits for the one before and its retention."""
+    monkeypatch.delenv("PYTHONPATH", raising=False)
+    log = tmp_path / "applied-by"
+    options = AsyncOptions(saver="process", max_in_flight=4)
+    with CheckpointManager(tmp_path / "v", async_options=options, exclusive=True,
+                           retention=RecordingKeepLast(1, str(log))) as mgr:
+        for step in range(1, 6):
+            mgr.save(step, {"w": torch.full((1000,), float(step))})
+            applied = len(log.read_text().split()) if log.exists() else 0
+            assert applied == step - 1, f"save {step} began while an earlier save or its retention ran"
+            time.sleep(0.2)  # time enough for a save in flight to have started, had this one not waited
+        mgr.wait()
+        assert mgr.steps()[-1] == 5 and log.read_text().split() == [str(os.getpid())] * 5
+
+
+def test_a_retention_that_fails_in_the_saver_process_is_raised_by_the_next_call(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).parent))
+    log = tmp_path / "applied-by"
+    with CheckpointManager(tmp_path / "v", async_options=PROCESS,
+                           retention=RecordingKeepLast(1, str(log), fail=True)) as mgr:
+        assert mgr.save(1, {"w": torch.ones(3)}).wait() is not None  # committed: the retention runs after it
+        with pytest.raises(SaveError, match=r"step 1 was committed, but the retention that runs after it failed: "
+                                            r"ZeroDivisionError: no"):
+            mgr.wait()
+        assert mgr.steps() == [1] and log.read_text().split() == [str(mgr._saver.pid)]
 
 
 def test_a_state_over_max_staging_bytes_is_refused_before_anything_is_written(tmp_path: Path) -> None:

@@ -29,7 +29,7 @@ from ._save.commit import check_step, json_fields
 from ._save.pipeline import Saver, SaveRequest
 from ._save.preemption import Preempted, PreemptionHandler, critical, signal_numbers
 from ._save.process_child import ChildConfig
-from ._save.process_saver import ProcessSaver
+from ._save.process_saver import ProcessSaver, pickled_retention
 from ._vault import Vault
 from .errors import InvalidArgumentError, ManagerClosedError, StepExistsError, VaultNotFoundError
 from .handle import SaveHandle
@@ -164,8 +164,10 @@ class CheckpointManager(MaintenanceMixin):
                                        f"opens itself, not a Store object: pass {self.url!r}")
         config = ChildConfig(self.url, storage_options, self.vault.workers, self.delta_policy, delta.predict,
                              lossy_safety or LossySafety(), True if delta.cache_keyframe is None else delta.cache_keyframe,
-                             logging.getLogger("ckptvault").getEffectiveLevel())
-        return ProcessSaver(config, async_options, after_commit=self._after_commit)
+                             logging.getLogger("ckptvault").getEffectiveLevel(), pickled_retention(self.retention),
+                             self.exclusive)
+        return ProcessSaver(config, async_options, after_commit=self._after_commit,
+                            exclusive_retention=self.exclusive and self.retention is not None)
 
     @property
     def distributed(self) -> bool:

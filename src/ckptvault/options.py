@@ -102,8 +102,11 @@ class AsyncOptions:
     up; ``on_busy`` applies once every buffer holds an unfinished save.
 
     A saver process needs a vault URL it can open itself (a local path, ``file://``, ``s3://`` or another fsspec
-    URL; not ``memory://`` or a Store object) and a POSIX system (``"idle-process"``: Linux). Retention and
-    ``progress=`` callbacks run in the training process; the saver's log records arrive in its ``ckptvault`` loggers.
+    URL; not ``memory://`` or a Store object) and a POSIX system (``"idle-process"``: Linux). The manager's retention
+    runs in the saver process after each commit, unless its policies do not pickle there (a ``keep_if`` lambda, a
+    policy class defined in the training script): then it runs in the training process, and with
+    ``exclusive=True`` each save first waits for the one before it. ``progress=`` callbacks run in the training
+    process; the saver's log records arrive in its ``ckptvault`` loggers.
     If the saver process dies, its save in flight fails with :class:`~ckptvault.errors.SaveError` and the next save
     starts a new one. Figures: docs/benchmarks/async.md (thread), docs/benchmarks/predicted.md (every step, each saver).
     """

@@ -6,13 +6,16 @@ socket pair. Messages, each a pickled tuple (both ends are this package; nothing
 * training -> saver: ``("open", ChildConfig)`` first; ``("staging", slot, nbytes)`` followed by the descriptor of
   the shared staging buffer of that slot (``multiprocessing.reduction.send_handle``) whenever that buffer is new;
   ``("save", slot, SaveRequest, wants_progress, tree, records, allow_pickle, log_level)`` for a state staged there; ``("stop",)``.
-* saver -> training: ``("ready",)`` or ``("broken", error)`` once after ``open``; per save ``("progress", n,
+* saver -> training: ``("ready", runs_retention)`` or ``("broken", error)`` once after ``open``; per save ``("progress", n,
   total)`` and ``("log", record)`` any number of times, then ``("committed", CheckpointInfo)`` or ``("failed",
   error)`` preceded by ``("warnings", warnings)``, then ``("finished", error_after_commit, warnings)``.
 
 The saver runs one save at a time, in its main thread, with the pipeline of a synchronous :class:`Saver` (its
-delta bases, predictions and keyframe cache live here). It ignores SIGINT and SIGTERM: the training process decides
-when it stops, and when that process is gone (end of file on the socket) it finishes the save it holds and exits.
+delta bases, predictions and keyframe cache live here), and after each commit the manager's retention, between
+that save and the next one: ``runs_retention`` tells the training process it need not run it (False where the
+manager has none, or its policies did not unpickle here, such as a class defined in the training script).
+It ignores SIGINT and SIGTERM: the training process decides when it stops, and when that process is gone (end of
+file on the socket) it finishes the save it holds and exits.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import pickle
 import signal
 import threading
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import recv_handle
@@ -39,6 +42,8 @@ from .._delta.kernels import wait_for_fused_loading
 from .._delta.policy import DeltaPolicy
 from .._delta.predict import predictor_for
 from .._feedback import take_deferred
+from .._maintenance.prune import GcPacer, apply_retention
+from .._maintenance.retention import Retention
 from .._vault import Vault
 from ..errors import SaveError
 from ..handle import SaveHandle
@@ -59,6 +64,8 @@ class ChildConfig:
     safety: LossySafety
     cache_keyframe: bool
     log_level: int  # the training process's level for the ``ckptvault`` loggers (each save sends it again)
+    retention: bytes | None = None  # the manager's Retention, pickled (None: none, or its policies do not pickle)
+    exclusive: bool = False  # the manager's exclusive=: retention frees what its prune released at once (DESIGN G6)
 
 
 class _Channel:
@@ -121,12 +128,14 @@ def main(fd: int) -> None:
     logger.propagate = False
     try:
         vault = Vault(config.url, config.storage_options, config.workers)
+        retention = _retention(config.retention)
         saver = Saver(vault, config.delta_policy, async_save=False, safety=config.safety,
-                      cache_keyframe=config.cache_keyframe, predictor=predictor_for(config.predict))
+                      cache_keyframe=config.cache_keyframe, predictor=predictor_for(config.predict),
+                      after_commit=_retention_hook(vault, retention, config.exclusive))
     except BaseException as exc:  # noqa: BLE001 - reported to the training process, which raises it
         channel.send(("broken", portable(exc)))
         return
-    channel.send(("ready",))
+    channel.send(("ready", retention is not None))
     load_kernels_in_background()  # this process exists to save: numba's kernels pay from the first saves on
     try:
         _serve(conn, channel, saver)
@@ -135,6 +144,31 @@ def main(fd: int) -> None:
         vault.close()
         wait_for_kernel_loading()  # no thread left importing numba while the interpreter exits
         wait_for_fused_loading()
+
+
+def _retention(pickled: bytes | None) -> Retention | None:
+    """The manager's retention, or None where it has none or it does not unpickle in this process."""
+    if pickled is None:
+        return None
+    try:
+        retention = pickle.loads(pickled)  # sent by the training process, never read from storage
+    except Exception as exc:  # noqa: BLE001 - any failure: the training process runs the retention itself
+        logging.getLogger(__name__).debug("the retention runs in the training process: %s: %s", type(exc).__name__,
+                                          exc)
+        return None
+    return retention if isinstance(retention, Retention) else None
+
+
+def _retention_hook(vault: Vault, retention: Retention | None, exclusive: bool) -> Callable[[int], None] | None:
+    """What the saver runs after each commit here: the manager's retention, paced gc included."""
+    if retention is None:
+        return None
+    pacer = GcPacer()
+
+    def after_commit(step: int) -> None:
+        apply_retention(vault, retention, step, exclusive=exclusive, pacer=pacer)
+
+    return after_commit
 
 
 def _freeze_once_loaded() -> bool:

@@ -7,9 +7,12 @@ on CPU time training leaves unused.
 Order of calls for one save, as for the thread :class:`~ckptvault._save.pipeline.Saver`: ``submit`` (caller's
 thread: raise an unreported error, wait for or skip a save in flight, copy the state into a free shared staging
 buffer and send the save to the saver process, ``_save/process_child.py``, before returning) -> the background
-thread follows the saver process's messages about it, reports its commit on the handle, runs the after-commit hook
-(retention) here, and ends when the saver process has finished it. Once ``save()`` has returned, the saver process
-holds the save: it commits it even if the training process dies next.
+thread follows the saver process's messages about it, reports its commit on the handle, and ends when the saver
+process has finished it. The manager's retention runs in the saver process after the commit, before its next save,
+off the training process's interpreter lock; only where its policies do not pickle into that process (a
+``keep_if`` lambda, a policy class of the training script) does the after-commit hook run it here instead.
+Once ``save()`` has returned, the saver process holds the save: it commits it even if the training process dies
+next.
 Up to ``AsyncOptions.max_in_flight`` saves may be in flight, each in a staging buffer of its own; the saver process
 runs them one after another in the order they were made, so a save's predictions see the save before it.
 
@@ -69,6 +72,7 @@ class _Child:
             self.conn = Connection(ours.detach())
         self.conn.send(("open", config))
         self.broken: BaseException | None = None  # the error it answered "open" with, if any
+        self.runs_retention = False  # it answered "open" saying it applies the retention after its commits
         self.staging_generations: dict[int, int] = {}  # slot -> generation of the staging buffer mapped there
         log.debug("started saver process %d", self.process.pid)
 
@@ -110,8 +114,9 @@ class ProcessSaver(InFlight):
     """Runs asynchronous saves into one vault in a saver process (module docstring)."""
 
     def __init__(self, config: ChildConfig, async_options: AsyncOptions,
-                 after_commit: Callable[[int], None] | None = None) -> None:
+                 after_commit: Callable[[int], None] | None = None, exclusive_retention: bool = False) -> None:
         super().__init__("ckptvault-save", after_commit)
+        self.exclusive_retention = exclusive_retention  # the after-commit hook frees chunks at once (DESIGN G6)
         check_process_saver(async_options.saver, config.url)
         self.config, self.idle = config, async_options.saver == "idle-process"
         self.on_busy, self.max_staging_bytes = async_options.on_busy, async_options.max_staging_bytes
@@ -177,9 +182,13 @@ class ProcessSaver(InFlight):
         return handle
 
     def _free_slot(self) -> int | None:
-        """A staging buffer no unfinished save holds (forgetting finished saves), or None."""
+        """A staging buffer no unfinished save holds (forgetting finished saves), or None; always None while a
+        save is unfinished where an exclusive retention runs in this process (DESIGN G6: it frees chunks at once,
+        so no save of this manager may be in flight meanwhile)."""
         while self._queue and self._queue[0].task.done():
             self._queue.popleft()  # saves finish in the order they were queued
+        if self._queue and self.exclusive_retention and not (self._child is not None and self._child.runs_retention):
+            return None
         held = {queued.slot for queued in self._queue}
         return next((slot for slot in range(len(self._slots)) if slot not in held), None)
 
@@ -250,13 +259,16 @@ class ProcessSaver(InFlight):
                 logger = logging.getLogger(record.name)
                 if logger.isEnabledFor(record.levelno):
                     logger.handle(record)
+            elif kind == "ready":
+                child.runs_retention = message[1]
             elif kind == "broken":
                 child.broken = message[1]
             elif kind == "warnings":
                 defer(message[1])
             elif kind == "committed":
                 handle.committed.set_result(message[1])
-                self.run_after_commit(request.step)
+                if not child.runs_retention:
+                    self.run_after_commit(request.step)
             elif kind == "failed":
                 self.keep_error(message[1], handle)
                 handle.committed.set_exception(message[1])
@@ -279,6 +291,18 @@ class ProcessSaver(InFlight):
                 self._child = None
             for staging in self._slots:
                 staging.close()
+
+
+def pickled_retention(retention: Any) -> bytes | None:
+    """``retention`` pickled for the saver process, or None where there is none or it does not pickle (a
+    ``keep_if`` lambda): the training process then runs it after each commit."""
+    if retention is None:
+        return None
+    try:
+        return pickle.dumps(retention)
+    except Exception as exc:  # noqa: BLE001 - any failure to pickle: run it here
+        log.debug("the retention runs in the training process, it does not pickle: %s: %s", type(exc).__name__, exc)
+        return None
 
 
 def check_process_saver(saver: str, url: str) -> None:
