@@ -214,11 +214,13 @@ def test_maintenance_summarises_a_manifest_once_and_again_when_its_bytes_change(
     """Gc and prune read every manifest, but decode each one's bytes once per process (a retention runs after
     every save); a manifest whose bytes changed, even with its modification time put back, is decoded again and
     the chunks it names now stay live."""
+    from ckptvault._maintenance import gc as maintenance
     from ckptvault._vault import Vault
 
     decoded: list[int] = []
     real = Vault.decode_manifest
     monkeypatch.setattr(Vault, "decode_manifest", lambda self, step, data: decoded.append(step) or real(self, step, data))
+    monkeypatch.setattr(maintenance, "_summaries", maintenance.Remembered(8))  # as in a process that wrote none
     age(vault, 2 * HOUR)
     with CheckpointManager(vault) as mgr:
         plan = plan_gc(mgr.vault, HOUR)
@@ -237,6 +239,41 @@ def test_maintenance_summarises_a_manifest_once_and_again_when_its_bytes_change(
         again = plan_gc(mgr.vault, HOUR)
         assert decoded == [3] and revived in again.live
         assert revived not in {g.key.rsplit("/", 1)[1] for g in again.candidates}
+
+
+@pytest.mark.filterwarnings("ignore:metric loss=nan is not a finite number")
+def test_a_retention_after_a_save_decodes_no_manifest_its_process_wrote(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A committing process remembers its manifest's summary from the manifest it encoded, so the retention after
+    every save decodes none; each remembered summary equals the one decoded from the stored bytes (keyframes, XOR
+    deltas, predicted deltas, a lossy residual; metrics, a diverged one included)."""
+    from ckptvault import DeltaOptions
+    from ckptvault._maintenance import gc as maintenance
+    from ckptvault._vault import Vault
+
+    decoded: list[int] = []
+    real = Vault.decode_manifest
+    monkeypatch.setattr(Vault, "decode_manifest", lambda self, step, data: decoded.append(step) or real(self, step, data))
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 64)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    url = tmp_path / "v"
+    with CheckpointManager(url, async_save=False, delta=DeltaOptions(predict=True, keyframe_every=4, max_chain=3),
+                           codec_rules={"*noise*": "residual-int8"}, retention=Retention(keep_last=3)) as mgr:
+        for step in range(1, 9):
+            model(torch.randn(8, 64)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "noise": torch.randn(512)}
+            mgr.save(step, state, metrics={"loss": float("nan") if step == 5 else 1.0 / step})
+        assert decoded == [] and mgr.steps() == [5, 6, 7, 8]  # 5: the keyframe of the rest
+        remembered = {s: maintenance._summarise(mgr.vault, s) for s in mgr.steps()}
+        assert decoded == [] and mgr.manifest(8)["chain"] and "lossy" in str(mgr.manifest(8))
+    monkeypatch.setattr(maintenance, "_summaries", maintenance.Remembered(maintenance.SUMMARIES_KEPT))
+    decoded.clear()
+    with CheckpointManager(url) as mgr:
+        assert {s: maintenance._summarise(mgr.vault, s) for s in mgr.steps()} == remembered
+    assert sorted(decoded) == [5, 6, 7, 8]
 
 
 def test_gc_sweeps_old_temp_files_markers_and_pins_of_deleted_steps(vault: Path) -> None:

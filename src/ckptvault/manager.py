@@ -16,7 +16,7 @@ from ._delta.kernels import wait_for_fused_loading
 from ._delta.policy import DeltaPolicy
 from ._delta.predict import predictor_for
 from ._feedback import reissue_deferred
-from ._format.manifest import manifest_key
+from ._format.manifest import check_step, manifest_key
 from ._format.schema import MAX_STEP
 from ._maintenance.mixin import MaintenanceMixin, apply_retention
 from ._maintenance.prune import GcPacer
@@ -25,7 +25,7 @@ from ._parallel import pause_collector, resume_collector
 from ._reports.verify import VerifyReport, verify_steps
 from ._restore.live import has_live_objects, restore_live
 from ._restore.tensors import restore_into, restore_tree
-from ._save.commit import check_step, json_fields
+from ._save.commit import json_fields
 from ._save.pipeline import Saver, SaveRequest
 from ._save.preemption import Preempted, PreemptionHandler, critical, signal_numbers
 from ._save.process_child import ChildConfig

@@ -17,16 +17,23 @@ from typing import Any
 
 import blake3
 
-from ..errors import CorruptManifestError
+from ..errors import CorruptManifestError, InvalidArgumentError
 from . import jsontext
 from .keys import step_of_manifest_key
 from .records import Manifest
 from .remembered import Remembered
-from .schema import MAX_CHUNK_SIZE, check_manifest
+from .schema import MAX_CHUNK_SIZE, MAX_STEP, check_manifest
 
 _PREFIX = b'{"blake3":"'
 _MIDDLE = b'","manifest":'
 _BODY_START = len(_PREFIX) + 64 + len(_MIDDLE)
+
+
+def check_step(step: Any) -> int:
+    """``step`` if it is an int a manifest key can name (20 decimal digits), else InvalidArgumentError."""
+    if type(step) is not int or not 0 <= step <= MAX_STEP:
+        raise InvalidArgumentError(f"step must be an int from 0 to {MAX_STEP} (20 digits), got {step!r}")
+    return step
 
 
 def manifest_key(step: int) -> str:

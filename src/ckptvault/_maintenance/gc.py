@@ -40,6 +40,7 @@ from .._argcheck import check_kind
 from .._format.chunk_object import CHUNKS_PREFIX
 from .._format.keys import MANIFESTS_PREFIX, MARKER_PREFIX, chunk_id_of_key, is_marker_key, is_temp_key
 from .._format.manifest import step_of_key
+from .._format.records import Manifest
 from .._format.remembered import Remembered
 from .._vault import Vault
 from ..errors import (
@@ -261,18 +262,31 @@ def _summarise(vault: Vault, step: int) -> ManifestSummary | str | None:
     reads every kept manifest each time)."""
     try:
         data = vault.manifest_bytes(step)
-        key = (blake3.blake3(data).digest(), step, vault.chunk_size())
+        key = _summary_key(vault, step, data)
         summary = _summaries.get(key)
         if summary is None:
-            m = vault.decode_manifest(step, data)
-            summary = ManifestSummary(step, m.time, m.metrics, m.keyframe, m.chunk_bases(),
-                                      {c.id: c.stored for c in m.chunks})
+            summary = _summary_of(step, vault.decode_manifest(step, data))
             _summaries.put(key, summary)
     except StepNotFoundError:
         return None
     except (CorruptDataError, FormatVersionError, StorageError) as exc:
         return f"{type(exc).__name__}: {exc}"
     return summary
+
+
+def remember_written(vault: Vault, step: int, data: bytes, manifest: Manifest) -> None:
+    """Remember the summary of ``data``, the manifest of ``step`` this process just committed, made from
+    ``manifest``, the manifest it encodes: the retention that runs after the commit then reads it without decoding
+    and checking it again (the writer made it; the bytes must match for the memo to answer)."""
+    _summaries.put(_summary_key(vault, step, data), _summary_of(step, manifest))
+
+
+def _summary_key(vault: Vault, step: int, data: bytes) -> tuple[bytes, int, int]:
+    return blake3.blake3(data).digest(), step, vault.chunk_size()
+
+
+def _summary_of(step: int, m: Manifest) -> ManifestSummary:
+    return ManifestSummary(step, m.time, m.metrics, m.keyframe, m.chunk_bases(), {c.id: c.stored for c in m.chunks})
 
 
 #: manifests whose summaries are remembered (a summary holds a manifest's chunk ids: about 200 bytes a chunk), by

@@ -14,8 +14,7 @@ import logging
 import time
 
 from .._format import keys
-from .._format.manifest import manifest_key
-from .._save.commit import check_step
+from .._format.manifest import check_step, manifest_key
 from .._vault import Vault
 from ..errors import ObjectNotFoundError, StepNotFoundError
 from .retention import validate_tag

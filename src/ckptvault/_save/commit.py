@@ -19,7 +19,8 @@ from .._format.chunk_object import CHUNKS_PREFIX, chunk_key
 from .._format.manifest import encode_manifest, manifest_key
 from .._format.predicted import RESIDUALS, build_chain, chain_table_prefix
 from .._format.records import ChunkRef, LossyInfo, Manifest, TensorRecord
-from .._format.schema import MAX_DEPTH, MAX_STEP, too_deep
+from .._format.schema import MAX_DEPTH, too_deep
+from .._maintenance.gc import remember_written
 from .._parallel import map_all
 from .._vault import Vault
 from .._version import __version__
@@ -153,8 +154,9 @@ def commit(vault: Vault, step: int, manifest: Manifest, overwrite: bool, guard: 
     meanwhile (``_save/guard.py``).
     """
     batch = batch or vault.store.write_batch()
+    data = encode_manifest(manifest)
     try:
-        batch.stage_final(manifest_key(step), encode_manifest(manifest))
+        batch.stage_final(manifest_key(step), data)
         finish_batch(batch)
         if guard is not None:
             guard.ensure(vault.store, vault.pool)
@@ -170,6 +172,7 @@ def commit(vault: Vault, step: int, manifest: Manifest, overwrite: bool, guard: 
     except BaseException:
         batch.abandon()
         raise
+    remember_written(vault, step, data, manifest)  # retention after this commit reads it back
     log.info("committed step %d to %s (%d bytes added)", step, vault.url, manifest.added_bytes)
 
 
@@ -203,13 +206,6 @@ def _chunk_count_estimate(store: Store) -> int:
     """About how many chunks the vault holds: 256 times those under one of the 256 two-hex-digit key prefixes
     (chunk ids are uniform hashes), from one small listing."""
     return 256 * sum(1 for _ in store.list(f"{CHUNKS_PREFIX}00/"))
-
-
-def check_step(step: Any) -> int:
-    """``step`` if it is an int a manifest key can name (20 decimal digits), else InvalidArgumentError."""
-    if type(step) is not int or not 0 <= step <= MAX_STEP:
-        raise InvalidArgumentError(f"step must be an int from 0 to {MAX_STEP} (20 digits), got {step!r}")
-    return step
 
 
 def json_fields(values: dict[str, Any] | None, what: str) -> dict[str, Any]:

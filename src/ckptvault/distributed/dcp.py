@@ -68,12 +68,12 @@ from .._codecs.lossy import LossySafety, parse_codec
 from .._delta.policy import DeltaContext, DeltaPolicy, KeyframeCache, delta_context
 from .._format import records
 from .._format.keys import step_of_manifest_key
-from .._format.manifest import manifest_key
+from .._format.manifest import check_step, manifest_key
 from .._format.records import ChunkRef, LossyInfo, Manifest, Node, TensorRecord
 from .._format.schema import check_manifest
 from .._restore.tensors import Dest, LossyReads, read_into, sharing_memory
 from .._save.chunks import write_chunks
-from .._save.commit import check_step, commit, json_fields
+from .._save.commit import commit, json_fields
 from .._save.guard import ManifestGuard
 from .._save.lossy import LossyBuffers, apply_lossy
 from .._save.snapshot import ArrayRecord, Snapshot

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from .._argcheck import check_kind
-from .._save.commit import check_step
+from .._format.manifest import check_step
 from ..errors import InvalidArgumentError, StepExistsError
 from ..info import CheckpointInfo
 from ..manager import CheckpointManager
