@@ -30,9 +30,9 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import blake3
 
@@ -57,6 +57,7 @@ from .pins import PINS_PREFIX, parse_pin_key
 from .retention import DEFAULT_GRACE
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -246,7 +247,7 @@ def read_summaries(vault: Vault, listed: Iterable[ObjectInfo]) -> dict[int, Mani
     steps = [s for s in (step_of_key(i.key) for i in listed) if s is not None]
     summaries: dict[int, ManifestSummary] = {}
     problems: dict[int, str] = {}
-    for step, outcome in zip(steps, vault.pool.map(lambda s: _summarise(vault, s), steps)):
+    for step, outcome in zip(steps, _in_batches(vault, lambda s: _summarise(vault, s), steps), strict=True):
         if isinstance(outcome, str):
             problems[step] = outcome
         elif outcome is not None:
@@ -254,6 +255,14 @@ def read_summaries(vault: Vault, listed: Iterable[ObjectInfo]) -> dict[int, Mani
     if problems:
         raise MaintenanceRefusedError(problems, vault.url)
     return summaries
+
+
+def _in_batches(vault: Vault, fn: Callable[[int], T], steps: list[int]) -> list[T]:
+    """``[fn(s) for s in steps]``, one task per worker thread, each running its share in turn: as many requests in
+    flight as one task per step, without a task's overhead for every (mostly remembered) manifest."""
+    per = -(-len(steps) // vault.workers) or 1
+    batches = [steps[i : i + per] for i in range(0, len(steps), per)]
+    return [out for batch in vault.pool.map(lambda b: [fn(s) for s in b], batches) for out in batch]
 
 
 def _summarise(vault: Vault, step: int) -> ManifestSummary | str | None:

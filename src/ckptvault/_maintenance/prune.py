@@ -105,7 +105,7 @@ def execute_prune(vault: Vault, plan: PrunePlan) -> PruneResult:
     """Delete the manifests of the plan's dropped steps, re-checking pins and the latest step first."""
     result = PruneResult()
     store = vault.store
-    latest = _latest(vault)
+    latest = max(plan.manifest_bytes, default=None)  # the newest step the plan listed; checked to exist before each delete
     for step in plan.drop:
         if any(parse_pin_key(i.key) is not None for i in store.list(f"{PINS_PREFIX}{step:020d}/")):
             result.skipped[step] = "pinned"
