@@ -312,6 +312,17 @@ def test_retention_runs_in_the_saver_process_where_its_policies_unpickle(tmp_pat
         _same(again.restore(5), {"w": torch.full((1000,), 5.0)})
 
 
+def test_every_built_in_policy_travels_to_the_saver_process() -> None:
+    from ckptvault._save.process_child import _retention
+    from ckptvault._save.process_saver import pickled_retention
+
+    retention = Retention(keep_last=1, keep_every=2, keep_best=1, metric="loss", mode="max", keep_daily=3,
+                          keep_weekly=4, gc=False, gc_grace=5)
+    there = _retention(pickled_retention(retention))
+    assert there is not None and repr(there) == repr(retention) and (there.gc, there.gc_grace) == (False, 5.0)
+    assert pickled_retention(Retention(keep_if=lambda info: True)) is None and pickled_retention(None) is None
+
+
 def test_retention_the_saver_process_cannot_unpickle_runs_in_the_training_process(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("PYTHONPATH", raising=False)  # the policy's module is not importable in the saver process
