@@ -73,6 +73,7 @@ from ckptvault._format.chunk_object import (
     encode_object,
     parse_object,
 )
+from ckptvault._format.manifest import _pack as pack
 from ckptvault._format.manifest import decode_manifest
 from ckptvault._vault import Vault
 from ckptvault.errors import CorruptChunkError, CorruptManifestError, FormatVersionError
@@ -467,6 +468,12 @@ def test_manifest_arbitrary_json_body(body: Any) -> None:
 @given(body=mutated(BASE_MANIFEST))
 def test_manifest_structured_mutations(body: Any) -> None:
     check_manifest_decode(wrap_manifest(dumps(body).encode()), body)
+
+
+@given(body=mutated(BASE_MANIFEST))
+def test_manifest_structured_mutations_packed(body: Any) -> None:
+    """The same mutations inside a packed body (docs/DESIGN.md section 4), as a writer packs a large one."""
+    check_manifest_decode(wrap_manifest(pack(dumps(body).encode())), body)
 
 
 # -- (c) vault.json ----------------------------------------------------------------------------------------------------

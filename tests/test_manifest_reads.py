@@ -5,7 +5,6 @@ returns."""
 from __future__ import annotations
 
 import copy
-import json
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +13,7 @@ import torch
 
 from ckptvault import CheckpointManager, DeltaOptions
 from ckptvault._format import manifest as manifest_module
-from ckptvault._format.manifest import decode_manifest, encode_manifest, manifest_key
+from ckptvault._format.manifest import decode_manifest, encode_manifest, manifest_body, manifest_key
 from ckptvault._format.remembered import Remembered
 from ckptvault.errors import CorruptManifestError
 
@@ -72,7 +71,7 @@ def test_other_bytes_another_step_or_another_chunk_size_are_checked_again(tmp_pa
         decode_manifest(data, "m", 3)
     with pytest.raises(CorruptManifestError, match="raw"):  # a chunk table entry is larger than such a vault's chunks
         decode_manifest(data, "m", 2, chunk_size=1024)
-    body = json.loads(data[data.index(b'"manifest":') + len(b'"manifest":') : -1])
+    body = manifest_body(data, "m")
     body["metrics"]["loss"] = 7.0
     changed = decode_manifest(encode_manifest(body), "m", 2)
     assert changed.metrics == {"loss": 7.0}

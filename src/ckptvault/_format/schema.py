@@ -146,6 +146,28 @@ def _check_version(f: _Fields, version: Any, what: str) -> int:
 
 # -- manifests ----------------------------------------------------------------
 
+#: the feature a packed manifest body requires: its one other field, ``packed``, holds the whole body
+PACKED = "packed"
+_PACKED_FIELDS = frozenset({"format", "version", "requires", PACKED})
+
+
+def packed_text(body: Any, what: str) -> str | None:
+    """The base64 text of a packed manifest body (``{"format", "version", "requires": ["packed"], "packed"}``:
+    docs/DESIGN.md section 4), or None for a body that is not packed. Raises CorruptManifestError for a body that
+    requires ``packed`` in another form, FormatVersionError for a newer version."""
+    requires = body.get("requires") if isinstance(body, dict) else None
+    if not (isinstance(requires, list) and PACKED in requires):
+        return None
+    f = _Fields(what)
+    if body.get("format") != MANIFEST_FORMAT:
+        f.fail("format", f"is {_short(body.get('format'))}, not {MANIFEST_FORMAT!r}")
+    _check_version(f, f.required(body, "version"), "manifest")
+    if set(body) != _PACKED_FIELDS or requires != [PACKED]:
+        f.fail("requires", f"names {PACKED!r}, but the body is not a packed one: it must hold exactly the fields "
+                           f"{sorted(_PACKED_FIELDS)}, and requires only {PACKED!r}")
+    return f.str(body[PACKED], PACKED)
+
+
 def check_manifest(body: Any, what: str, step: int | None = None, chunk_size: int = MAX_CHUNK_SIZE) -> Manifest:
     """The :class:`Manifest` that ``body`` (a parsed manifest body) describes, if it is a well-formed manifest of
     ``step`` (None: any) in a vault of ``chunk_size``; ``what`` names the file in messages. Raises
