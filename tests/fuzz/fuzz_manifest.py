@@ -8,7 +8,8 @@ and ``tree.leaf_paths`` (what restore walks first), which must then work. A find
 CorruptManifestError and FormatVersionError from decoding, or any exception from those consumers of an
 accepted manifest.
 
-Seeds: the body of the base manifest and of every manifest case in tests/hostile.
+Seeds: the body of the base manifest and of every manifest case in tests/hostile, and a packed body
+(tests/golden/packed_manifest_v1.json).
 
 Run by hand, from the repository root::
 
@@ -47,7 +48,8 @@ def test_one_input(data: bytes) -> None:
 
 
 def seeds() -> list[bytes]:
-    files = [_seeds.HOSTILE / "base" / MANIFEST_KEY, *sorted((_seeds.HOSTILE / "cases").glob(f"*/{MANIFEST_KEY}"))]
+    files = [_seeds.HOSTILE / "base" / MANIFEST_KEY, *sorted((_seeds.HOSTILE / "cases").glob(f"*/{MANIFEST_KEY}")),
+             _seeds.HOSTILE.parent / "golden" / "packed_manifest_v1.json"]
     return [manifest_body_bytes(p.read_bytes()) for p in files]
 
 
