@@ -118,12 +118,14 @@ INNER = b'{"format":"ckptvault.manifest","version":1}'
 @pytest.mark.parametrize(("data", "error", "match"), [
     (_packed(INNER, packed="not base64!"), CorruptManifestError,
      r"manifest m: its packed body does not unpack \(Error: "),
+    (_packed(INNER, packed="\u00e9t\u00e9"), CorruptManifestError,
+     r"manifest m: its packed body does not unpack \(ValueError: string argument should contain only ASCII"),
     (_wrap(b'{"format":"ckptvault.manifest","version":1,"requires":["packed"],"packed":"'
            + base64.b64encode(b"not a zstd frame") + b'"}'), CorruptManifestError,
      r"manifest m: its packed body does not unpack \(ZstdError: "),
     (_wrap(b'{"format":"ckptvault.manifest","version":1,"requires":["packed"],"packed":"'
            + base64.b64encode(zstandard.ZstdCompressor(write_content_size=False).compress(INNER)) + b'"}'),
-     CorruptManifestError, r"its packed body does not unpack \(ZstdError: its frame claims -1 bytes \(-1: unknown\)"),
+     CorruptManifestError, r"its packed body does not unpack \(ZstdError: its frame of \d+ bytes claims -1 \(-1: unknown\)"),
     (_wrap(b'{"format":"ckptvault.manifest","version":1,"requires":["packed"],"packed":"'
            + base64.b64encode(zstandard.ZstdCompressor(write_content_size=True).compress(INNER) + b"junk") + b'"}'),
      CorruptManifestError, r"its packed body does not unpack \(ZstdError: it is not exactly one complete zstd frame"),
@@ -145,10 +147,17 @@ def test_a_damaged_or_hostile_packed_body_is_refused(data: bytes, error: type[Ex
         decode_manifest(data, "m")
 
 
-def test_a_packed_body_claiming_more_than_max_unpacked_is_not_inflated(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(manifest_module, "MAX_UNPACKED", 1000)
-    with pytest.raises(CorruptManifestError, match=r"its frame claims 1001 bytes \(-1: unknown\), not 0\.\.1000"):
-        decode_manifest(_packed(b" " * 1001), "m")
+def test_a_packed_body_claiming_too_much_is_not_inflated(monkeypatch: pytest.MonkeyPatch) -> None:
+    """More than MAX_RATIO times its frame's size, or than MAX_UNPACKED: refused from the frame's header."""
+    padded = b" " * 20000 + INNER
+    frame = zstandard.ZstdCompressor(write_content_size=True).compress(padded)
+    assert len(padded) > 256 * len(frame)
+    with pytest.raises(CorruptManifestError, match=rf"its frame of {len(frame)} bytes claims {len(padded)} \(-1: "
+                                                   rf"unknown\), not 0\.\.{256 * len(frame)}\)"):
+        decode_manifest(_packed(padded), "m")
+    monkeypatch.setattr(manifest_module, "MAX_UNPACKED", len(INNER) - 1)
+    with pytest.raises(CorruptManifestError, match=rf"claims {len(INNER)} \(-1: unknown\), not 0\.\.{len(INNER) - 1}\)"):
+        decode_manifest(_packed(INNER), "m")
 
 
 def test_a_hostile_packed_manifest_in_a_vault_fails_restore_and_verify_naming_the_file(tmp_path: Path) -> None:

@@ -16,7 +16,6 @@ manifest`` prints any. Body fields are documented in docs/DESIGN.md.
 from __future__ import annotations
 
 import base64
-import binascii
 import json
 from dataclasses import replace
 from typing import Any
@@ -37,8 +36,9 @@ _BODY_START = len(_PREFIX) + 64 + len(_MIDDLE)
 #: bodies of at least this many bytes are stored packed (a state of some 40 tensors and more; the demo GPT's
 #: manifest with predictions shrinks about 5.6 times)
 PACK_FROM = 8 << 10
-#: the most bytes a packed body may unpack to: a larger claim is refused as damaged, never inflated
-MAX_UNPACKED = 1 << 30
+#: the most bytes a packed body may unpack to, and to how many times its frame's size (manifests pack about 6
+#: times): a larger claim is refused as damaged, never inflated
+MAX_UNPACKED, MAX_RATIO = 1 << 30, 256
 
 
 def check_step(step: Any) -> int:
@@ -87,14 +87,14 @@ def _unpack(body: Any, what: str) -> Any:
         return body
     try:
         frame = base64.b64decode(text, validate=True)
-        size = zstandard.frame_content_size(frame)
-        if not 0 <= size <= MAX_UNPACKED:  # checked first: decompress() allocates what the frame claims
-            raise zstandard.ZstdError(f"its frame claims {size} bytes (-1: unknown), not 0..{MAX_UNPACKED}")
+        size, most = zstandard.frame_content_size(frame), min(MAX_UNPACKED, MAX_RATIO * len(frame))
+        if not 0 <= size <= most:  # checked first: decompress() allocates what the frame claims
+            raise zstandard.ZstdError(f"its frame of {len(frame)} bytes claims {size} (-1: unknown), not 0..{most}")
         stream = zstandard.ZstdDecompressor().decompressobj()
         inner = stream.decompress(frame)
         if not stream.eof or stream.unused_data:
             raise zstandard.ZstdError("it is not exactly one complete zstd frame")
-    except (binascii.Error, zstandard.ZstdError) as exc:
+    except (ValueError, zstandard.ZstdError) as exc:  # binascii.Error, or a text that is not ASCII
         raise CorruptManifestError(f"{what}: its packed body does not unpack ({type(exc).__name__}: "
                                    f"{_first_line(exc)})") from None
     unpacked = parse_json(inner, f"{what} (unpacked)", CorruptManifestError)
