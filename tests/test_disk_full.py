@@ -17,8 +17,10 @@ Mounting needs root (CAP_SYS_ADMIN); without it every test here is skipped with 
 
 from __future__ import annotations
 
+import base64
 import errno
 import os
+import random
 import shutil
 import subprocess
 from collections.abc import Iterator
@@ -222,8 +224,10 @@ def test_disk_full_at_commit(tmp_path: Path, room: int, overwrite: bool) -> None
     """Every chunk is already stored (same tensors), so the only write that can fail is the manifest's."""
     with tmpfs(tmp_path / "mnt", "4m") as mnt:
         url = mnt / "vault"
-        training = Training(small_tensors=1500)  # a manifest of about 280 KiB, so `room` cuts it mid-write
-        state = training.state(1)
+        training = Training(small_tensors=1500)
+        # random text in the tree: a manifest of about 300 KiB even packed, so `room` cuts it mid-write
+        text = base64.b64encode(random.Random(0).randbytes(150_000)).decode()
+        state = dict(training.state(1), text=text)
         with CheckpointManager(url, chunk_size=CHUNK_SIZE) as mgr:
             save_and_flush(mgr, 1, state)
         manifest_size = (url / manifest_key(1)).stat().st_size
