@@ -221,6 +221,7 @@ def test_maintenance_summarises_a_manifest_once_and_again_when_its_bytes_change(
     real = Vault.decode_manifest
     monkeypatch.setattr(Vault, "decode_manifest", lambda self, step, data: decoded.append(step) or real(self, step, data))
     monkeypatch.setattr(maintenance, "_summaries", maintenance.Remembered(8))  # as in a process that wrote none
+    monkeypatch.setattr(maintenance, "_written", maintenance.Remembered(maintenance.WRITTEN_KEPT))
     age(vault, 2 * HOUR)
     with CheckpointManager(vault) as mgr:
         plan = plan_gc(mgr.vault, HOUR)
@@ -270,10 +271,24 @@ def test_a_retention_after_a_save_decodes_no_manifest_its_process_wrote(tmp_path
         remembered = {s: maintenance._summarise(mgr.vault, s) for s in mgr.steps()}
         assert decoded == [] and mgr.manifest(8)["chain"] and "lossy" in str(mgr.manifest(8))
     monkeypatch.setattr(maintenance, "_summaries", maintenance.Remembered(maintenance.SUMMARIES_KEPT))
+    monkeypatch.setattr(maintenance, "_written", maintenance.Remembered(maintenance.WRITTEN_KEPT))
+    assert len(remembered) > maintenance.WRITTEN_KEPT - 1
     decoded.clear()
     with CheckpointManager(url) as mgr:
         assert {s: maintenance._summarise(mgr.vault, s) for s in mgr.steps()} == remembered
     assert sorted(decoded) == [5, 6, 7, 8]
+
+
+def test_a_process_that_saves_without_retention_remembers_only_its_last_manifests(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from ckptvault._maintenance import gc as maintenance
+
+    monkeypatch.setattr(maintenance, "_summaries", maintenance.Remembered(maintenance.SUMMARIES_KEPT))
+    monkeypatch.setattr(maintenance, "_written", maintenance.Remembered(maintenance.WRITTEN_KEPT))
+    with CheckpointManager(tmp_path / "v", async_save=False) as mgr:
+        for step in range(10):
+            mgr.save(step, state_for(step))
+    assert len(maintenance._written._found) == maintenance.WRITTEN_KEPT and not maintenance._summaries._found
 
 
 def test_gc_sweeps_old_temp_files_markers_and_pins_of_deleted_steps(vault: Path) -> None:

@@ -159,9 +159,7 @@ def packed_text(body: Any, what: str) -> str | None:
     if not (isinstance(requires, list) and PACKED in requires):
         return None
     f = _Fields(what)
-    if body.get("format") != MANIFEST_FORMAT:
-        f.fail("format", f"is {_short(body.get('format'))}, not {MANIFEST_FORMAT!r}")
-    _check_version(f, f.required(body, "version"), "manifest")
+    _check_format_and_version(f, body)
     if set(body) != _PACKED_FIELDS or requires != [PACKED]:
         f.fail("requires", f"names {PACKED!r}, but the body is not a packed one: it must hold exactly the fields "
                            f"{sorted(_PACKED_FIELDS)}, and requires only {PACKED!r}")
@@ -174,9 +172,7 @@ def check_manifest(body: Any, what: str, step: int | None = None, chunk_size: in
     CorruptManifestError, or FormatVersionError for a newer version or an unknown required feature."""
     f = _Fields(what)
     body = f.dict(body, "")
-    if body.get("format") != MANIFEST_FORMAT:
-        f.fail("format", f"is {_short(body.get('format'))}, not {MANIFEST_FORMAT!r}")
-    version = _check_version(f, f.required(body, "version"), "manifest")
+    version = _check_format_and_version(f, body)
     requires = _check_requires(f, body.get("requires", []))
     header = _check_header(f, body, step)
     chunks = _check_chunks(f, f.list(f.required(body, "chunks"), "chunks"), chunk_size)
@@ -210,6 +206,13 @@ def check_chain_level(manifest: Manifest, n: int, data: bytes, what: str) -> Man
     chain = (*manifest.chain[:n], level, *manifest.chain[n + 1:])
     check_inputs(f, manifest.tensors, chain, manifest.requires)
     return replace(manifest, chain=chain)
+
+
+def _check_format_and_version(f: _Fields, body: dict[str, Any]) -> int:
+    """A manifest body's version, once its ``format`` names a manifest and the version is one this reader reads."""
+    if body.get("format") != MANIFEST_FORMAT:
+        f.fail("format", f"is {_short(body.get('format'))}, not {MANIFEST_FORMAT!r}")
+    return _check_version(f, f.required(body, "version"), "manifest")
 
 
 def _check_requires(f: _Fields, requires: Any) -> tuple[str, ...]:

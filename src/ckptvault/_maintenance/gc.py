@@ -274,7 +274,7 @@ def _summarise(vault: Vault, step: int) -> ManifestSummary | str | None:
         key = _summary_key(vault, step, data)
         summary = _summaries.get(key)
         if summary is None:
-            summary = _summary_of(step, vault.decode_manifest(step, data))
+            summary = _written.get(key) or _summary_of(step, vault.decode_manifest(step, data))
             _summaries.put(key, summary)
     except StepNotFoundError:
         return None
@@ -286,8 +286,9 @@ def _summarise(vault: Vault, step: int) -> ManifestSummary | str | None:
 def remember_written(vault: Vault, step: int, data: bytes, manifest: Manifest) -> None:
     """Remember the summary of ``data``, the manifest of ``step`` this process just committed, made from
     ``manifest``, the manifest it encodes: the retention that runs after the commit then reads it without decoding
-    and checking it again (the writer made it; the bytes must match for the memo to answer)."""
-    _summaries.put(_summary_key(vault, step, data), _summary_of(step, manifest))
+    and checking it again (the writer made it; the bytes must match for the memo to answer). Kept apart from the
+    maintenance memo, and only the last few: a process that saves without retention holds no more."""
+    _written.put(_summary_key(vault, step, data), _summary_of(step, manifest))
 
 
 def _summary_key(vault: Vault, step: int, data: bytes) -> tuple[bytes, int, int]:
@@ -302,6 +303,9 @@ def _summary_of(step: int, m: Manifest) -> ManifestSummary:
 #: the BLAKE3 of their bytes, step and chunk size (a summary is a function of those alone)
 SUMMARIES_KEPT = 2048
 _summaries: Remembered[tuple[bytes, int, int], ManifestSummary] = Remembered(SUMMARIES_KEPT)
+#: the summaries of the last manifests this process committed, until maintenance reads them (remember_written)
+WRITTEN_KEPT = 4
+_written: Remembered[tuple[bytes, int, int], ManifestSummary] = Remembered(WRITTEN_KEPT)
 
 
 def _follow_bases(vault: Vault, live: set[str], bases: dict[str, str | None]) -> None:
