@@ -169,3 +169,17 @@ def test_a_hostile_packed_manifest_in_a_vault_fails_restore_and_verify_naming_th
             mgr.restore(1)
         report = mgr.verify()
         assert not report.ok and "its packed body must hold a manifest body" in str(report)
+
+
+def test_the_cli_prints_a_packed_manifests_body(tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from ckptvault.cli import main
+
+    _training(tmp_path / "v")
+    shown = CliRunner().invoke(main, ["show", str(tmp_path / "v"), "3", "--manifest"])
+    assert shown.exit_code == 0, shown.output
+    with CheckpointManager(tmp_path / "v") as mgr:
+        assert json.loads(shown.output) == mgr.manifest(3) and mgr.manifest(3)["step"] == 3
+    refused = CliRunner().invoke(main, ["show", str(tmp_path / "v"), "--manifest", "-k", "model"])
+    assert refused.exit_code == 2 and "--manifest prints the whole manifest body; leave out --keys" in refused.output

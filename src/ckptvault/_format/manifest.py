@@ -10,7 +10,7 @@ and the final ``}``. A body of ``PACK_FROM`` bytes or more is stored packed:
 zstd-compressed, in base64, as the one field of a small body that requires the
 ``packed`` feature (readers that do not know it refuse it with
 FormatVersionError); smaller ones stay readable with ``jq``, and ``ckptvault
-manifest`` prints any. Body fields are documented in docs/DESIGN.md.
+show URL STEP --manifest`` prints any. Body fields are documented in docs/DESIGN.md.
 """
 
 from __future__ import annotations

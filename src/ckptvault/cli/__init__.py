@@ -33,6 +33,7 @@ Examples:
   ckptvault ls ./ckpts                      list checkpoints: sizes, compression, pins, metrics
   ckptvault show ./ckpts                    tensors of the latest checkpoint
   ckptvault show ./ckpts 200 -k 'model.*'   tensors of step 200 under "model"
+  ckptvault show ./ckpts 200 --manifest     the manifest body of step 200 as JSON
   ckptvault verify ./ckpts                  read and check every chunk
   ckptvault du ./ckpts                      logical vs stored bytes, dedup and compression savings
   ckptvault plot ./ckpts -o ckpts.png       a PNG of storage over steps vs torch.save, and metrics

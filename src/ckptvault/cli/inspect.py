@@ -136,7 +136,10 @@ def _print_ls(url: str, infos: list[CheckpointInfo], damaged: list[dict[str, Any
               help="Only tensors whose key path matches PATTERN (shell-style, e.g. 'model.*'; "
                    "a bare prefix such as 'optimizer' matches its subtree). Repeatable.")
 @json_option
-def show(url: str, step: int | None, patterns: tuple[str, ...], as_json: bool) -> None:
+@click.option("--manifest", "as_manifest", is_flag=True,
+              help="Print the checkpoint's manifest body instead: the JSON docs/DESIGN.md section 4 describes, "
+                   "unpacked where it is stored packed (pipe it to jq).")
+def show(url: str, step: int | None, patterns: tuple[str, ...], as_json: bool, as_manifest: bool) -> None:
     """Show checkpoint STEP (default: the latest): header and tensor table.
 
     A header with the step, time, sizes, metrics, metadata and pins, then one row per
@@ -161,7 +164,15 @@ def show(url: str, step: int | None, patterns: tuple[str, ...], as_json: bool) -
     [{"offsets", "shape"}]}]; "error" is null or {"max_abs", "rel_l2",
     "flushed", "overflow", "nan"}; "boxes" is empty for an array not stored as
     shards
+
+    --manifest: the manifest body itself, as JSON (every field the vault stores for the checkpoint).
     """
+    if as_manifest:
+        if patterns:
+            raise click.UsageError("--manifest prints the whole manifest body; leave out --keys (or use jq on it)")
+        with open_manager(url) as mgr:
+            emit_json(mgr.manifest(step))
+        return
     with open_manager(url) as mgr:
         info = mgr.info(step)
         tags = sorted(mgr.pins().get(info.step, ()))
