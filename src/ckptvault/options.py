@@ -42,15 +42,16 @@ class DeltaOptions:
     keyframe; ``True`` always, filled when the keyframe is committed; ``False`` never. Figures:
     docs/benchmarks/incremental.md.
 
-    ``predict=True``: a checkpoint saved one optimizer step after the previous one stores the weights and moments
-    of Adam, AdamW and SGD (momentum, Nesterov) optimizers in the state as their difference from their prediction
-    from that checkpoint, losslessly, where that stores less (docs/DESIGN.md §6). The optimizer's parameters pair with the
-    model's arrays in state order; ``predict={"optimizer": "model"}`` names the model subtree of each optimizer
-    key path instead. It keeps a copy of the weights and moments of the latest save in host memory. Restoring a
-    predicted checkpoint rebuilds the ones it was predicted from first; ``max_chain`` caps how many: a checkpoint
-    whose chain reached it is followed by a keyframe (as every ``keyframe_every`` checkpoints), so restore chains
-    are at most ``min(max_chain, keyframe_every - 1)`` long. For a checkpoint every step: ``keyframe_every=20,
-    max_chain=19`` (figures: docs/benchmarks/predicted.md).
+    ``predict=True``: a checkpoint saved one optimizer step after the previous one stores the weights and moments of
+    Adam, AdamW and SGD (momentum, Nesterov) optimizers in the state as their difference from their prediction from
+    that checkpoint, losslessly, where that stores less (docs/DESIGN.md §6). The optimizer's parameters pair with
+    the model's arrays in state order (by name where the optimizer state is keyed by parameter name, as
+    ``torch.distributed.checkpoint.state_dict.get_state_dict`` returns it); ``predict={"optimizer": "model"}`` names
+    the model subtree of each optimizer key path instead. It keeps a copy of the weights and moments of the latest
+    save in host memory. Restoring a predicted checkpoint rebuilds the ones it was predicted from first;
+    ``max_chain`` caps how many: a checkpoint whose chain reached it is followed by a keyframe (as every
+    ``keyframe_every`` checkpoints), so restore chains are at most ``min(max_chain, keyframe_every - 1)`` long. For
+    a checkpoint every step: ``keyframe_every=20, max_chain=19`` (figures: docs/benchmarks/predicted.md).
     """
 
     keyframe_every: int = 10

@@ -1,7 +1,9 @@
 """Finding optimizer states in a snapshot, and which model array each optimizer parameter updates.
 
 A torch optimizer's ``state_dict()`` is a dict ``{"state": {param_id: {...}}, "param_groups": [{"params": [ids],
-hyperparameters...}]}``; it lies anywhere in the saved state, under any key. The supported optimizers, told apart
+hyperparameters...}]}``; it lies anywhere in the saved state, under any key. The ids are ints, or the parameters'
+names (fully qualified, as ``model.state_dict()`` keys them) in the form
+``torch.distributed.checkpoint.state_dict.get_state_dict`` returns. The supported optimizers, told apart
 by their hyperparameters: Adam and AdamW (a group with ``amsgrad``; moments ``exp_avg``, ``exp_avg_sq``,
 ``max_exp_avg_sq``, a ``step`` count) and SGD (``momentum``, ``dampening``, ``nesterov``; ``momentum_buffer``).
 Groups with ``maximize``, ``capturable`` or ``differentiable`` set, or tensor hyperparameters, are left out.
@@ -9,7 +11,8 @@ Groups with ``maximize``, ``capturable`` or ``differentiable`` set, or tensor hy
 The parameters themselves are not in the optimizer's state: they are the model's arrays. Each optimizer
 parameter, in id order, is paired with the next unused array of the same dtype and shape in the state's order
 outside any optimizer (``model.parameters()`` follows ``state_dict()`` order, buffers interleaved), or under the
-subtree a user names; where several arrays fit, the save tries its prediction on each (``predict.py``).
+subtree a user names; a named parameter tries the arrays of its name first (a path that is the name or ends with
+``.`` and the name). Where several arrays fit, the save tries its prediction on each (``predict.py``).
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ from .._format.predicted import PREDICTED_DTYPES
 from .._tree import join_path, scalar_value
 
 Node = dict[str, Any]
+#: a parameter's slot: (its optimizer's key path, its id in that optimizer's state, an int or a name)
+SlotKey = tuple[str, int | str]
 MOMENTS = {"adam": ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"), "sgd": ("momentum_buffer",)}
 _REFUSED_FLAGS = ("maximize", "capturable", "differentiable")
 
@@ -40,7 +45,7 @@ class ParamSlot:
     model array that could be its parameter (same dtype and shape), that one first."""
 
     optimizer: str
-    pid: int
+    pid: int | str
     kind: str
     group: dict[str, Any]
     step: float | None
@@ -50,10 +55,10 @@ class ParamSlot:
 
 
 def find_slots(tree: Node, records: list[Any], views: list[memoryview], pairs: Mapping[str, str] | None = None
-               ) -> dict[tuple[str, int], ParamSlot]:
+               ) -> dict[SlotKey, ParamSlot]:
     """Every supported optimizer parameter of the snapshot, by (optimizer key path, param id), paired where a
     model array fits. ``records``/``views``: the snapshot's; ``pairs``: optimizer key path -> model subtree."""
-    slots: dict[tuple[str, int], ParamSlot] = {}
+    slots: dict[SlotKey, ParamSlot] = {}
     optimizers = [(path, _python(node)) for path, node in _optimizers(tree, "")]
     inside = tuple(path + "." for path, _ in optimizers)
     for path, opt in optimizers:
@@ -135,7 +140,7 @@ def _slots(path: str, opt: dict[str, Any], views: list[memoryview], records: lis
         kind = _kind(group)
         for pid in group.get("params", []):
             entry = opt["state"].get(pid)
-            if kind is None or not isinstance(entry, dict) or not isinstance(pid, int):
+            if kind is None or not isinstance(entry, dict) or not isinstance(pid, (int, str)) or isinstance(pid, bool):
                 continue
             moments = {name: entry[name].index for name in MOMENTS[kind] if isinstance(entry.get(name), _Leaf)}
             if not moments or any(records[i].dtype not in PREDICTED_DTYPES or records[i].kind != "torch"
@@ -159,7 +164,7 @@ def _step(value: Any, views: list[memoryview], records: list[Any]) -> float | No
 def _pair(slots: list[ParamSlot], records: list[Any], inside: tuple[str, ...], prefix: str | None) -> None:
     """Give each slot the model arrays of its first moment's dtype and shape as candidates, the one state order
     suggests first: the next unused one after the previous slot's (parameter groups may reorder parameters, so
-    an earlier unused one comes next)."""
+    an earlier unused one comes next); for a parameter named by its name, unused arrays of that name before all."""
     by_form: dict[tuple[str, tuple[int, ...]], list[int]] = {}  # model arrays by dtype and shape, in state order
     for i, r in enumerate(records):
         if (r.kind == "torch" and r.dtype in PREDICTED_DTYPES and not r.path.startswith(inside)
@@ -172,7 +177,15 @@ def _pair(slots: list[ParamSlot], records: list[Any], inside: tuple[str, ...], p
         fitting = by_form.get((moment.dtype, tuple(moment.shape)), [])
         unused = [i for i in fitting if i not in used]
         preferred = [i for i in unused if i > last] + [i for i in unused if i <= last]
+        if isinstance(slot.pid, str):
+            named = [i for i in preferred if _named(records[i].path, slot.pid)]
+            preferred = named + [i for i in preferred if i not in named]
         slot.candidates = preferred + [i for i in fitting if i in used]
         if preferred:
             slot.param = last = preferred[0]
             used.add(last)
+
+
+def _named(path: str, name: str) -> bool:
+    """Whether the array at key path ``path`` can be the parameter called ``name`` (a ``state_dict()`` key)."""
+    return path == name or path.endswith("." + name)

@@ -24,7 +24,7 @@ from .._format.records import Manifest, PredictInfo, PredictInput
 from .._save.snapshot import ArrayRecord, Snapshot
 from ..errors import PredictionError
 from .kernels import check_ieee, digest, flat_array, predict, residual_of
-from .optimizers import ParamSlot, find_slots
+from .optimizers import ParamSlot, SlotKey, find_slots
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ class _Kept:
     step: int
     time: float
     arrays: dict[str, np.ndarray]
-    slots: dict[tuple[str, int], dict[str, Any]]  # (optimizer, pid) -> kind, group, step, moment paths
+    slots: dict[SlotKey, dict[str, Any]]  # (optimizer, pid) -> kind, group, step, moment paths
 
 
 @dataclass
@@ -63,7 +63,7 @@ class _Plan:
     op: str
     inputs: tuple[PredictInput, ...]
     scalars: dict[str, float]
-    slot: tuple[str, int] | None = None  # a parameter's prediction: its optimizer slot, whose pairing it uses
+    slot: SlotKey | None = None  # a parameter's prediction: its optimizer slot, whose pairing it uses
 
 
 @dataclass
@@ -72,11 +72,11 @@ class Predictor:
 
     pairs: Mapping[str, str] | None = None
     _kept: _Kept | None = None
-    _pending: tuple[int, list[memoryview], dict[tuple[str, int], ParamSlot], list[ArrayRecord]] | None = None
+    _pending: tuple[int, list[memoryview], dict[SlotKey, ParamSlot], list[ArrayRecord]] | None = None
     _buffers: dict[str, np.ndarray] = field(default_factory=dict)
     #: the model array each optimizer parameter was paired with by a trial that matched (:data:`LIKELY`), taken
     #: again without one until its prediction stops paying
-    _pairings: dict[tuple[str, int], str] = field(default_factory=dict)
+    _pairings: dict[SlotKey, str] = field(default_factory=dict)
     #: per record path and block: its raw bytes' estimate (compressed fraction of the sample, step it was made at)
     _raw_estimates: dict[str, dict[int, tuple[float, int]]] = field(default_factory=dict)
 
@@ -203,8 +203,8 @@ def _inputs(plan: _Plan, current: dict[str, np.ndarray], kept: _Kept) -> dict[st
     return {i.role: (current if i.level == 0 else kept.arrays)[i.path] for i in plan.inputs}
 
 
-def _plans(snapshot: Snapshot, slots: dict[tuple[str, int], ParamSlot], kept: _Kept, latest: Manifest,
-           current: dict[str, np.ndarray], pairings: dict[tuple[str, int], str]) -> list[_Plan]:
+def _plans(snapshot: Snapshot, slots: dict[SlotKey, ParamSlot], kept: _Kept, latest: Manifest,
+           current: dict[str, np.ndarray], pairings: dict[SlotKey, str]) -> list[_Plan]:
     """The predictions to try, per parameter: second moments, first moments, AMSGrad maxima, then the parameter
     (which reads its step's moments; :meth:`Predictor._residuals` relies on this order to reuse kept arrays).
     ``pairings``: each parameter's model array as a convincing trial found it, taken without a new trial; a
