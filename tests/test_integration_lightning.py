@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 
-from ckptvault import LossySafety
+from ckptvault import DeltaOptions, LossySafety
 from ckptvault.errors import (
     CheckpointPathNotFoundError,
     InvalidArgumentError,
@@ -128,6 +128,46 @@ def test_a_run_resumed_from_the_vault_ends_bit_identical_to_an_uninterrupted_one
     assert resumed_io.manager.info(4).metadata["lightning"]["path"] == str(tmp_path / "ckpts" / "last.ckpt")
     assert lm.ckpt_files(tmp_path / "ckpts") == ["epoch=0-step=4.ckpt", "epoch=1-step=8.ckpt", "last.ckpt"]
     assert resumed_io.manager.info(8).metadata["lightning"]["path"] == str(tmp_path / "ckpts" / "epoch=1-step=8.ckpt")
+    resumed_io.teardown()
+    straight_io.teardown()
+
+
+def _predicted(io: VaultCheckpointIO, step: int) -> set[str]:
+    return {t["path"] for t in io.manager.manifest(step)["tensors"] if "predict" in t}
+
+
+def test_a_checkpoint_every_step_with_predictions_resumes_bit_identical(tmp_path: Path) -> None:
+    """Lightning's checkpoint dict (``state_dict``, ``optimizer_states`` as a list) checkpointed every step with
+    predicted deltas: every weight and moment of a step after the first is stored against its prediction (the
+    resumed run's first save too), every step loads as the plain vault of an uninterrupted run holds it, and a run
+    resumed from step 4 ends where that run does, bit for bit."""
+    every_step = {"delta": DeltaOptions(predict=True, keyframe_every=20, max_chain=19)}
+    straight_io = VaultCheckpointIO(tmp_path / "straight-vault")
+    straight, straight_module = lm.trainer(tmp_path / "straight", 8, [straight_io], every_n_train_steps=1,
+                                           save_top_k=-1), lm.model()
+    lm.fit(straight, straight_module)
+
+    first_io = VaultCheckpointIO(tmp_path / "vault", **every_step)
+    lm.fit(lm.trainer(tmp_path / "ckpts", 4, [first_io], every_n_train_steps=1, save_top_k=-1), lm.model())
+    first_io.teardown()
+    resumed_io = VaultCheckpointIO(tmp_path / "vault", **every_step)
+    resumed, resumed_module = lm.trainer(tmp_path / "ckpts", 8, [resumed_io], every_n_train_steps=1,
+                                         save_top_k=-1), lm.model(seed=1)
+    lm.fit(resumed, resumed_module, ckpt_path=str(tmp_path / "ckpts" / "epoch=0-step=4.ckpt"))
+
+    assert lm.differences(resumed_module.state_dict(), straight_module.state_dict()) == []
+    assert lm.differences(resumed.optimizers[0].state_dict(), straight.optimizers[0].state_dict()) == []
+    assert resumed_io.manager.steps() == list(range(1, 9))
+    for name in lm.ckpt_files(tmp_path / "straight"):
+        a, b = resumed_io.load_checkpoint(tmp_path / "ckpts" / name), straight_io.load_checkpoint(tmp_path / "straight" / name)
+        for part in ("state_dict", "optimizer_states", "lr_schedulers", "global_step"):
+            assert lm.differences(a[part], b[part]) == [], (name, part)
+    names = [name for name, _ in resumed_module.named_parameters()]
+    moments = {f"optimizer_states.0.state.{i}.{m}" for i in range(len(names)) for m in ("exp_avg", "exp_avg_sq")}
+    expected = {f"state_dict.{name}" for name in names} | moments
+    # step 5, the resumed process's first save, reads step 4 back to predict from
+    assert {step: _predicted(resumed_io, step) for step in range(2, 9)} == dict.fromkeys(range(2, 9), expected)
+    assert _predicted(resumed_io, 1) == set()
     resumed_io.teardown()
     straight_io.teardown()
 

@@ -23,7 +23,7 @@ from transformers import Trainer
 from transformers.trainer_utils import rotate_checkpoints
 
 import ckptvault
-from ckptvault import CheckpointManager, KeepEvery, LocalOptions, RetentionInfo
+from ckptvault import CheckpointManager, DeltaOptions, KeepEvery, LocalOptions, RetentionInfo
 from ckptvault.errors import InvalidArgumentError, KeyMismatchError, StepNotFoundError, VaultNotFoundError
 from ckptvault.integrations.transformers import (
     BEST_STEP_METRIC,
@@ -170,6 +170,28 @@ def test_resumed_run_is_bit_identical_to_an_uninterrupted_one(tmp_path: Path) ->
     assert _losses(resumed, after=8) == _losses(reference, after=8) and len(_losses(resumed, after=8)) == 2
     assert resumed.vault.steps() == [4, 8, 10]
     assert os.listdir(tmp_path / "out") == [] and _resume_folders() <= before  # the trainer_state.json folder is gone
+
+
+def test_a_checkpoint_every_step_with_predictions_resumes_bit_identical(tmp_path: Path) -> None:
+    """``save_steps=1`` with predicted deltas: every step after the first stores the model's weights against their
+    prediction, the resumed run's first save too (it reads the step before back), and the resumed run ends bit for
+    bit where an uninterrupted one does."""
+    every_step = {"delta": DeltaOptions(predict=True, keyframe_every=20, max_chain=19)}
+    reference = Trainer(model=tiny_model(), args=tiny_args(tmp_path / "ref", max_steps=10, save_strategy="no"),
+                        train_dataset=token_rows(24))
+    reference.train()
+    first = _trainer(tmp_path / "out", tmp_path / "vault", max_steps=10, save_steps=1, callbacks=[StopAt(8)],
+                     vault_options=every_step)
+    first.train()
+    resumed = _trainer(tmp_path / "out", tmp_path / "vault", max_steps=10, save_steps=1, model_seed=7,
+                       vault_options=every_step)
+    resumed.train(resume_from_checkpoint=True)
+    assert_same_state(_training_state(reference), _training_state(resumed))
+    assert resumed.vault.steps() == list(range(1, 11))
+    weights = {f"model.{name}" for name, _ in resumed.model.named_parameters()}
+    for step in range(1, 11):
+        predicted = {t["path"] for t in resumed.vault.manifest(step)["tensors"] if "predict" in t}
+        assert weights <= predicted if step > 1 else predicted == set(), step
 
 
 def test_resume_from_another_vault_by_url_and_step(tmp_path: Path) -> None:

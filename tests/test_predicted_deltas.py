@@ -234,6 +234,86 @@ def test_a_fresh_process_restores_a_chain_another_process_wrote(tmp_path):
     _assert_same(ckptvault.load(tmp_path / "v", 5), expected)
 
 
+def _adamw(model):
+    return torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+
+
+def _resumed_saves(url, restored: int, steps: tuple[int, ...],
+                   saver: str = "thread") -> tuple[dict[int, dict], CheckpointManager]:
+    """A resumed run: a new manager restores step ``restored`` into a new model and AdamW, then saves one
+    optimizer step after another as ``steps``."""
+    from ckptvault import AsyncOptions
+
+    model = _model(seed=5)
+    opt = _adamw(model)
+    mgr = CheckpointManager(url, delta=DeltaOptions(predict=True, keyframe_every=20, max_chain=19),
+                            async_options=AsyncOptions(saver=saver))
+    mgr.restore(restored, into={"model": model, "optimizer": opt})
+    saved, gen = {}, torch.Generator().manual_seed(9)
+    for step in steps:
+        model(torch.randint(0, 100, (8, 6), generator=gen)).logsumexp(-1).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        saved[step] = copy.deepcopy({"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step})
+        mgr.save(step, saved[step])
+    mgr.wait()
+    return saved, mgr
+
+
+@pytest.mark.parametrize("saver", ["thread", "process"])
+def test_the_first_save_of_a_resumed_run_reads_the_step_before_back_and_is_predicted(tmp_path, saver, caplog):
+    """A new manager keeps no copy of the checkpoint before its first save: it reads step 4's weights and moments
+    back from the vault (in the saver process too), so step 5 is predicted as step 6 is, and both restore exactly."""
+    _saved, first = _train(_adamw, 4, tmp_path / "v", keyframe_every=20, max_chain=19)
+    first.close()
+    with caplog.at_level("DEBUG", logger="ckptvault"):
+        saved, mgr = _resumed_saves(tmp_path / "v", 4, (5, 6), saver)
+    with mgr:
+        weights = {f"model.{name}" for name in saved[6]["model"]}
+        assert weights <= _predicted_paths(mgr, 5) and weights <= _predicted_paths(mgr, 6)
+        assert mgr.manifest(5)["keyframe_step"] == 1 and len(mgr.manifest(6)["chain"]) == 5
+        assert mgr.info(5).added_bytes < 0.5 * mgr.info(4).stored_bytes  # an XOR delta of a step stores most of it
+        for step in (5, 6):
+            _assert_same(mgr.restore(step), saved[step])
+    if saver == "thread":  # the saver process logs in its own process
+        assert [r.getMessage() for r in caplog.records if "read back" in r.getMessage()] == [
+            "read back 20 arrays of step 4 to predict step 5 from"]  # 5 weights, 3 x 5 of AdamW's
+
+
+def test_a_resumed_run_reads_nothing_back_for_a_save_that_is_not_the_next_step(tmp_path, caplog):
+    _saved, first = _train(_adamw, 4, tmp_path / "v", keyframe_every=20, max_chain=19)
+    first.close()
+    with caplog.at_level("DEBUG", logger="ckptvault"):
+        saved, mgr = _resumed_saves(tmp_path / "v", 4, (6,))  # one optimizer step on, but not checkpoint step 5
+    with mgr:
+        assert _predicted_paths(mgr, 6) == set()
+        assert not [r for r in caplog.records if "read back" in r.getMessage()]
+        _assert_same(mgr.restore(6), saved[6])
+
+
+def test_a_checkpoint_that_cannot_be_read_back_leaves_the_next_save_unpredicted_and_exact(tmp_path, caplog):
+    from ckptvault._format.chunk_object import chunk_key
+
+    _saved, first = _train(_adamw, 4, tmp_path / "v", keyframe_every=20, max_chain=19)
+    with first:
+        body = first.manifest(4)
+    cid = body["chunks"][body["tensors"][0]["pieces"][0][0]]["id"]  # the weights' residuals, new in step 4
+    assert next(c for c in body["chunks"] if c["id"] == cid)["new"]
+    path = tmp_path / "v" / chunk_key(cid)
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF
+    path.chmod(0o644)
+    path.write_bytes(bytes(data))
+    saved, mgr = _resumed_saves(tmp_path / "v", 3, (5,))
+    with mgr:
+        assert _predicted_paths(mgr, 5) == set()
+        _assert_same(mgr.restore(5), saved[5])
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and re.fullmatch(
+        rf"step 5 is saved without predictions: step 4's arrays could not be read back \(CorruptChunkError: chunk "
+        rf"{cid} is corrupt .*\)", warnings[0], re.S), warnings
+
+
 def test_the_manifest_declares_predictions_and_their_chain(tmp_path):
     _saved, mgr = _train(lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3), 3, tmp_path / "v")
     with mgr:

@@ -6,7 +6,9 @@ replaces the views of predicted records with their residuals; then the chunks ar
 with the restore chain :func:`build_chain` makes, committed; then :meth:`Predictor.keep` copies the arrays the
 next save's predictions read (this save's original bytes), or :meth:`Predictor.forget` after a failure. Only a
 committed checkpoint's arrays are ever predicted from, and only when it is the vault's latest, of the same
-manifest (``time``) the predictor kept, exactly one optimizer step back.
+manifest (``time``) the predictor kept, exactly one optimizer step back. A predictor that kept none of it (the
+first save of a resumed run, the save after a failed one) reads the arrays back from the vault where the latest
+checkpoint's step is the one just before the save's.
 """
 
 from __future__ import annotations
@@ -20,9 +22,13 @@ from typing import Any
 import numpy as np
 import zstandard
 
+from .._codecs import DEFAULT_CODEC
 from .._format.records import Manifest, PredictInfo, PredictInput
-from .._save.snapshot import ArrayRecord, Snapshot
-from ..errors import PredictionError
+from .._restore.tensors import manifest_leaves, restore_paths
+from .._save.snapshot import ArrayRecord, Snapshot, take_snapshot
+from .._vault import Vault
+from ..errors import PredictionError, VaultError
+from ..rules import CodecRules
 from .kernels import check_ieee, digest, flat_array, predict, residual_of
 from .optimizers import ParamSlot, SlotKey, find_slots
 
@@ -81,19 +87,28 @@ class Predictor:
     _raw_estimates: dict[str, dict[int, tuple[float, int]]] = field(default_factory=dict)
 
     def apply(self, snapshot: Snapshot, latest: Manifest | None, step: int, block: int,
-              pool: ThreadPoolExecutor | None = None) -> Snapshot:
+              pool: ThreadPoolExecutor | None = None, vault: Vault | None = None) -> Snapshot:
         """``snapshot`` with each record that a prediction from ``latest`` stores smaller replaced by its residual
-        (the kernels run in slices on ``pool``, if given)."""
+        (the kernels run in slices on ``pool``, if given). ``vault``: where ``latest`` is committed, to read its
+        arrays back from if this predictor kept none of them and ``latest`` is step ``step - 1``."""
         slots = find_slots(snapshot.tree, snapshot.records, snapshot.views, self.pairs)
         self._pending = (step, list(snapshot.views), slots, list(snapshot.records))
+        if latest is None:
+            return snapshot
         kept = self._kept
-        if kept is None or latest is None or latest.step != kept.step or latest.time != kept.time:
+        fresh = kept is not None and latest.step == kept.step and latest.time == kept.time
+        if not fresh and (vault is None or latest.step != step - 1 or not slots):
             return snapshot
         try:
             check_ieee()
         except PredictionError as exc:
             log.warning("step %d is saved without predictions: %s", step, exc)
             return snapshot
+        if kept is None or not fresh:
+            assert vault is not None  # not fresh: checked above
+            kept = self._kept = self._read_back(vault, latest, slots, snapshot.records, step)
+            if kept is None:
+                return snapshot
         current = {r.path: flat_array(snapshot.views[i], r.dtype) for i, r in enumerate(snapshot.records)}
         plans = _plans(snapshot, slots, kept, latest, current, self._pairings)
         return self._residuals(snapshot, plans, kept, current, latest.step, block, pool) if plans else snapshot
@@ -175,27 +190,62 @@ class Predictor:
             return
         _step, views, slots, records = self._pending
         self._pending = None
-        index = {r.path: i for i, r in enumerate(records)}
-        wanted: set[str] = set()
-        described = {}
-        for key, slot in slots.items():
-            paths = {name: records[i].path for name, i in slot.moments.items()}
-            described[key] = {"kind": slot.kind, "group": slot.group, "step": slot.step, "moments": paths}
-            wanted.update(paths.values())
-            wanted.update(records[i].path for i in slot.candidates)
         old = self._kept.arrays if self._kept is not None else {}
-        arrays = {}
-        for path in wanted:
-            source = flat_array(views[index[path]], records[index[path]].dtype)
-            target = old.get(path)
-            if target is None or target.shape != source.shape or target.dtype != source.dtype:
-                target = np.empty_like(source)
-            np.copyto(target, source)
-            arrays[path] = target
-        self._kept = _Kept(manifest.step, manifest.time, arrays, described)
+        self._kept = _kept_of(manifest, views, slots, records, old)
+
+    def _read_back(self, vault: Vault, latest: Manifest, slots: dict[SlotKey, ParamSlot], records: list[ArrayRecord],
+                   step: int) -> _Kept | None:
+        """What :meth:`keep` would have kept of committed checkpoint ``latest``, read back from ``vault``: its
+        optimizers' subtrees (moments, step counts, groups) and the model arrays that ``slots`` (this save's) may
+        pair with. None where it cannot be read (logged; the save goes on without predictions)."""
+        optimizers = {path for path, _pid in slots}
+        candidates = {records[i].path for slot in slots.values() for i in slot.candidates}
+        leaves = manifest_leaves(latest)
+        wanted = {path for path, node in leaves.items()
+                  if "pickle" not in node and (path in candidates or any(not o or path.startswith(o + ".")
+                                                                         for o in optimizers))}
+        try:
+            state = restore_paths(vault, latest, wanted)
+        except VaultError as exc:
+            log.warning("step %d is saved without predictions: step %d's arrays could not be read back (%s: %s)",
+                        step, latest.step, type(exc).__name__, exc)
+            return None
+        arrays = sum(1 for path in wanted if next(iter(leaves[path])) in ("tensor", "ndarray"))
+        log.debug("read back %d arrays of step %d to predict step %d from", arrays, latest.step, step)
+        before = take_snapshot(state, CodecRules(None, DEFAULT_CODEC))
+        records_before = list(before.records)
+        return _kept_of(latest, list(before.views), find_slots(before.tree, records_before, before.views, self.pairs),
+                        records_before, None)
 
     def forget(self) -> None:
         self._kept, self._pending = None, None
+
+
+def _kept_of(manifest: Manifest, views: list[memoryview], slots: dict[SlotKey, ParamSlot], records: list[ArrayRecord],
+             reuse: dict[str, np.ndarray] | None) -> _Kept:
+    """The arrays of committed ``manifest`` (its snapshot's ``views``, ``records`` and ``slots``) that the next save's
+    predictions read: each slot's moments and the model arrays it may pair with, copied into the arrays of ``reuse``
+    where they fit, or into new ones; ``reuse=None``: the views' own memory, which nothing else holds, is kept."""
+    index = {r.path: i for i, r in enumerate(records)}
+    wanted: set[str] = set()
+    described = {}
+    for key, slot in slots.items():
+        paths = {name: records[i].path for name, i in slot.moments.items()}
+        described[key] = {"kind": slot.kind, "group": slot.group, "step": slot.step, "moments": paths}
+        wanted.update(paths.values())
+        wanted.update(records[i].path for i in slot.candidates)
+    arrays = {}
+    for path in wanted:
+        source = flat_array(views[index[path]], records[index[path]].dtype)
+        if reuse is None and source.flags.writeable:
+            arrays[path] = source
+            continue
+        target = None if reuse is None else reuse.get(path)
+        if target is None or target.shape != source.shape or target.dtype != source.dtype:
+            target = np.empty_like(source)
+        np.copyto(target, source)
+        arrays[path] = target
+    return _Kept(manifest.step, manifest.time, arrays, described)
 
 
 def _inputs(plan: _Plan, current: dict[str, np.ndarray], kept: _Kept) -> dict[str, np.ndarray]:

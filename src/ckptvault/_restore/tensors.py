@@ -241,7 +241,13 @@ def select(manifest: Manifest, keys: Iterable[str] | None) -> set[str] | None:
 def restore_tree(vault: Vault, manifest: Manifest, keys: Iterable[str] | None, allow_pickle: bool,
                  progress: Progress | None = None) -> Any:
     """Rebuild the saved state (or the part ``keys`` selects) in new tensors and arrays."""
-    selected = select(manifest, keys)
+    return restore_paths(vault, manifest, select(manifest, keys), allow_pickle, progress)
+
+
+def restore_paths(vault: Vault, manifest: Manifest, selected: set[str] | None, allow_pickle: bool = False,
+                  progress: Progress | None = None) -> Any:
+    """Rebuild the saved state, or the leaves at the key paths ``selected`` names (None: all), in new tensors and
+    arrays."""
     if not allow_pickle:
         _refuse_pickle(manifest, selected)
     needed = _leaf_indices(manifest, selected)

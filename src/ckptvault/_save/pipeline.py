@@ -144,7 +144,8 @@ class Saver(InFlight):
             snapshot = apply_lossy(snapshot, self.safety, request.lossless, self.vault, delta.keyframe, buffers)
             if self._predictor is not None:  # keyframes are never predicted: each one ends the restore chains
                 latest = delta.latest if delta.keyframe is not None else None
-                snapshot = self._predictor.apply(snapshot, latest, request.step, self.vault.chunk_size(), self.vault.pool)
+                snapshot = self._predictor.apply(snapshot, latest, request.step, self.vault.chunk_size(), self.vault.pool,
+                                                 self.vault)
             batch = self.vault.store.write_batch()  # finished by commit(), after it staged the manifest
             try:
                 chunks, pieces = write_chunks(self.vault, snapshot, request.progress, delta, batch)
