@@ -3,12 +3,15 @@ and cost (docs/benchmarks/predicted.md, "A resumed run").
 
     .venv/bin/python bench/resumed_every_step.py --runs 3
     .venv/bin/python bench/resumed_every_step.py --runs 3 --base-src /tmp/base/src   # and the code before, in turns
+    .venv/bin/python bench/resumed_every_step.py --runs 3 --resume-by load
 
 One process per run: the demo GPT trains ``--before`` steps with a synchronous manager saving after every step
 (``DeltaOptions(predict=True, keyframe_every=20, max_chain=19)``), then a new manager on the same vault, as a
-resumed run makes, restores the latest step and saves after each of ``--after`` more steps. Reported: the bytes each
-save from two steps before the resume on added, as a fraction of torch.save of the state, and how long each save
-after the resume took (the first one reads the step before back to predict from, a restore as deep as the resume's).
+resumed run makes, saves after each of ``--after`` more steps; the latest step is restored first by that manager
+(``--resume-by manager``, the default) or by ``ckptvault.load`` (``load``: the manager's first save then reads
+the step before back). Reported: the bytes each
+save from two steps before the resume on added, as a fraction of torch.save of the state, how long the resume's
+restore took and how long each save after the resume took.
 ``--base-src``: the ``src`` folder of other code (``git archive <commit> src | tar -x -C /tmp/base``), run through
 ``PYTHONPATH`` in turns with this checkout's.
 """
@@ -29,9 +32,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def child(before: int, after: int) -> dict[str, object]:
+def child(before: int, after: int, resume_by: str) -> dict[str, object]:
     import torch
 
+    import ckptvault
     from ckptvault import CheckpointManager, DeltaOptions
     from ckptvault.demo.train import TrainConfig, Trainer
 
@@ -46,7 +50,10 @@ def child(before: int, after: int) -> dict[str, object]:
         torch.save(trainer.state(), buffer)
         with CheckpointManager(tmp, delta=delta, async_save=False) as mgr:  # the resumed run's
             start = time.perf_counter()
-            mgr.restore(before)
+            if resume_by == "manager":
+                mgr.restore(before)
+            else:
+                ckptvault.load(tmp, before)
             restore_s = time.perf_counter() - start
             save_ms = []
             for _ in range(after):
@@ -64,11 +71,13 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3, help="processes of each side (default 3)")
     parser.add_argument("--before", type=int, default=18, help="steps saved before the resume (default 18)")
     parser.add_argument("--after", type=int, default=4, help="steps saved after it (default 4)")
+    parser.add_argument("--resume-by", choices=("manager", "load"), default="manager",
+                        help="what restores the latest step before the saves go on (default: the new manager)")
     parser.add_argument("--base-src", type=Path, help="the src folder of code to compare with, run in turns")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(child(args.before, args.after)))
+        print(json.dumps(child(args.before, args.after, args.resume_by)))
         return
     (ROOT / "bench" / "out").mkdir(parents=True, exist_ok=True)
     sides = {"this": ROOT / "src"} if args.base_src is None else {"base": args.base_src.resolve(), "this": ROOT / "src"}
@@ -76,8 +85,9 @@ def main() -> None:
     for _ in range(args.runs):
         for name, src in sides.items():
             env = {**os.environ, "PYTHONPATH": str(src), "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
-            out = subprocess.run([sys.executable, __file__, "--child", "--before", str(args.before), "--after",
-                                  str(args.after)], env=env, check=True, capture_output=True, text=True).stdout
+            command = [sys.executable, __file__, "--child", "--before", str(args.before), "--after", str(args.after),
+                       "--resume-by", args.resume_by]
+            out = subprocess.run(command, env=env, check=True, capture_output=True, text=True).stdout
             results[name].append(json.loads(out.strip().splitlines()[-1]))
             print(name, results[name][-1], flush=True)
     for name, rows in results.items():

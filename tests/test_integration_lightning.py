@@ -165,7 +165,7 @@ def test_a_checkpoint_every_step_with_predictions_resumes_bit_identical(tmp_path
     names = [name for name, _ in resumed_module.named_parameters()]
     moments = {f"optimizer_states.0.state.{i}.{m}" for i in range(len(names)) for m in ("exp_avg", "exp_avg_sq")}
     expected = {f"state_dict.{name}" for name in names} | moments
-    # step 5, the resumed process's first save, reads step 4 back to predict from
+    # step 5, the resumed process's first save, predicts from step 4 as the plugin restored it
     assert {step: _predicted(resumed_io, step) for step in range(2, 9)} == dict.fromkeys(range(2, 9), expected)
     assert _predicted(resumed_io, 1) == set()
     resumed_io.teardown()

@@ -174,8 +174,8 @@ def test_resumed_run_is_bit_identical_to_an_uninterrupted_one(tmp_path: Path) ->
 
 def test_a_checkpoint_every_step_with_predictions_resumes_bit_identical(tmp_path: Path) -> None:
     """``save_steps=1`` with predicted deltas: every step after the first stores the model's weights against their
-    prediction, the resumed run's first save too (it reads the step before back), and the resumed run ends bit for
-    bit where an uninterrupted one does."""
+    prediction, the resumed run's first save too (from the step before, as the resume restored it), and the resumed
+    run ends bit for bit where an uninterrupted one does."""
     every_step = {"delta": DeltaOptions(predict=True, keyframe_every=20, max_chain=19)}
     reference = Trainer(model=tiny_model(), args=tiny_args(tmp_path / "ref", max_steps=10, save_strategy="no"),
                         train_dataset=token_rows(24))

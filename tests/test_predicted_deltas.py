@@ -238,17 +238,30 @@ def _adamw(model):
     return torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
 
 
-def _resumed_saves(url, restored: int, steps: tuple[int, ...],
-                   saver: str = "thread") -> tuple[dict[int, dict], CheckpointManager]:
-    """A resumed run: a new manager restores step ``restored`` into a new model and AdamW, then saves one
-    optimizer step after another as ``steps``."""
+def _resumed_saves(url, restored: int, steps: tuple[int, ...], saver: str = "thread",
+                   restore: str = "manager") -> tuple[dict[int, dict], CheckpointManager]:
+    """A resumed run: a new manager, a new model and AdamW given step ``restored``'s state (``restore``: by the
+    manager in one call, by the manager model first and optimizer next, or by ``ckptvault.load``), then one
+    optimizer step after another saved as ``steps``. ``restore="tensors"``: the model into its tensors, the
+    optimizer as a new state."""
     from ckptvault import AsyncOptions
 
     model = _model(seed=5)
     opt = _adamw(model)
     mgr = CheckpointManager(url, delta=DeltaOptions(predict=True, keyframe_every=20, max_chain=19),
                             async_options=AsyncOptions(saver=saver))
-    mgr.restore(restored, into={"model": model, "optimizer": opt})
+    if restore == "manager":
+        mgr.restore(restored, into={"model": model, "optimizer": opt})
+    elif restore == "parts":  # as the Hugging Face Trainer resumes
+        mgr.restore(restored, into={"model": model})
+        mgr.restore(restored, into={"optimizer": opt})
+    elif restore == "tensors":  # into the model's tensors in place, then the optimizer's state as new tensors
+        mgr.restore(restored, into={"model": model.state_dict()})
+        opt.load_state_dict(mgr.restore(restored, keys=["optimizer.*"])["optimizer"])
+    else:
+        state = ckptvault.load(url, restored)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
     saved, gen = {}, torch.Generator().manual_seed(9)
     for step in steps:
         model(torch.randint(0, 100, (8, 6), generator=gen)).logsumexp(-1).mean().backward()
@@ -260,14 +273,22 @@ def _resumed_saves(url, restored: int, steps: tuple[int, ...],
     return saved, mgr
 
 
-@pytest.mark.parametrize("saver", ["thread", "process"])
-def test_the_first_save_of_a_resumed_run_reads_the_step_before_back_and_is_predicted(tmp_path, saver, caplog):
-    """A new manager keeps no copy of the checkpoint before its first save: it reads step 4's weights and moments
-    back from the vault (in the saver process too), so step 5 is predicted as step 6 is, and both restore exactly."""
+@pytest.mark.parametrize(("saver", "restore", "log"), [
+    ("thread", "manager", "kept 20 arrays of step 4 from its restore to predict step 5 from"),
+    ("thread", "parts", "kept 20 arrays of step 4 from its restore to predict step 5 from"),
+    ("thread", "tensors", "kept 20 arrays of step 4 from its restore to predict step 5 from"),
+    ("thread", "load", "read back 20 arrays of step 4 to predict step 5 from"),  # 5 weights, 3 x 5 of AdamW's
+    ("process", "manager", None),  # the saver process reads them back, and logs in its own process
+])
+def test_the_first_save_of_a_resumed_run_predicts_from_the_step_before(tmp_path, saver, restore, log, caplog):
+    """A new manager kept no copy of the checkpoint before its first save: it takes step 4's weights and moments from
+    its own restore of step 4 (the whole state, or its parts one after the other), or reads them back from the
+    vault (restored some other way, or saved by a saver process), so step 5 is predicted as step 6 is, and both
+    restore exactly."""
     _saved, first = _train(_adamw, 4, tmp_path / "v", keyframe_every=20, max_chain=19)
     first.close()
     with caplog.at_level("DEBUG", logger="ckptvault"):
-        saved, mgr = _resumed_saves(tmp_path / "v", 4, (5, 6), saver)
+        saved, mgr = _resumed_saves(tmp_path / "v", 4, (5, 6), saver, restore)
     with mgr:
         weights = {f"model.{name}" for name in saved[6]["model"]}
         assert weights <= _predicted_paths(mgr, 5) and weights <= _predicted_paths(mgr, 6)
@@ -275,9 +296,18 @@ def test_the_first_save_of_a_resumed_run_reads_the_step_before_back_and_is_predi
         assert mgr.info(5).added_bytes < 0.5 * mgr.info(4).stored_bytes  # an XOR delta of a step stores most of it
         for step in (5, 6):
             _assert_same(mgr.restore(step), saved[step])
-    if saver == "thread":  # the saver process logs in its own process
-        assert [r.getMessage() for r in caplog.records if "read back" in r.getMessage()] == [
-            "read back 20 arrays of step 4 to predict step 5 from"]  # 5 weights, 3 x 5 of AdamW's
+    if log is not None:
+        assert [r.getMessage() for r in caplog.records if "to predict step" in r.getMessage()] == [log]
+
+
+def test_a_restore_of_an_earlier_step_keeps_nothing_for_the_first_save(tmp_path, caplog):
+    _saved, first = _train(_adamw, 4, tmp_path / "v", keyframe_every=20, max_chain=19)
+    first.close()
+    with CheckpointManager(tmp_path / "v", delta=DeltaOptions(predict=True, keyframe_every=20, max_chain=19)) as mgr:
+        mgr.restore(3)
+        assert mgr._saver.predictor._restored is None  # noqa: SLF001 - no copies of a step no save predicts from
+        mgr.restore(4, keys=["model.*"])
+        assert len(mgr._saver.predictor._restored[2]) == 5  # noqa: SLF001 - the model's five arrays
 
 
 def test_a_resumed_run_reads_nothing_back_for_a_save_that_is_not_the_next_step(tmp_path, caplog):

@@ -17,6 +17,7 @@ from ._delta.policy import DeltaPolicy
 from ._delta.predict import predictor_for
 from ._feedback import reissue_deferred
 from ._format.manifest import check_step, manifest_key
+from ._format.records import Manifest
 from ._format.schema import MAX_STEP
 from ._maintenance.mixin import MaintenanceMixin, apply_retention
 from ._maintenance.prune import GcPacer
@@ -24,7 +25,7 @@ from ._maintenance.retention import Policy, Retention
 from ._parallel import pause_collector, resume_collector
 from ._reports.verify import VerifyReport, verify_steps
 from ._restore.live import has_live_objects, restore_live
-from ._restore.tensors import restore_into, restore_tree
+from ._restore.tensors import RESTORED, restore_into, restore_tree
 from ._save.commit import json_fields
 from ._save.pipeline import Saver, SaveRequest
 from ._save.preemption import Preempted, PreemptionHandler, critical, signal_numbers
@@ -337,6 +338,7 @@ class CheckpointManager(MaintenanceMixin):
             manifest = self.vault.read_manifest(resolved)
             return self._collective.restore(manifest, into, keys, strict, allow_pickle)
         manifest = self.vault.read_manifest(self._resolve(step))
+        noted = RESTORED.set(self._keeps_restored(manifest))
         try:
             if into is not None:
                 if has_live_objects(into):
@@ -344,7 +346,17 @@ class CheckpointManager(MaintenanceMixin):
                 return restore_into(self.vault, manifest, into, strict, progress)
             return restore_tree(self.vault, manifest, keys, allow_pickle, progress)
         finally:
+            RESTORED.reset(noted)
             load_if_worth_it()  # as after a commit: once this process has joined enough bytes (planes.LOAD_AFTER)
+
+    def _keeps_restored(self, manifest: Manifest) -> Callable[[Manifest, int, memoryview], None] | None:
+        """With predicted deltas saved by this process, for a restore of the vault's latest checkpoint before any
+        save: what keeps the arrays the restore reads, so that a save one step later predicts from them rather than
+        reading them back (``Predictor.restoring``)."""
+        predictor = self._saver.predictor if isinstance(self._saver, Saver) else None
+        if predictor is None or manifest.step != self.latest_step():
+            return None
+        return predictor.restoring(manifest)
 
     # -- maintenance -------------------------------------------------------
     def delete(self, step: int) -> None:

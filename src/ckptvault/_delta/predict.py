@@ -7,13 +7,15 @@ with the restore chain :func:`build_chain` makes, committed; then :meth:`Predict
 next save's predictions read (this save's original bytes), or :meth:`Predictor.forget` after a failure. Only a
 committed checkpoint's arrays are ever predicted from, and only when it is the vault's latest, of the same
 manifest (``time``) the predictor kept, exactly one optimizer step back. A predictor that kept none of it (the
-first save of a resumed run, the save after a failed one) reads the arrays back from the vault where the latest
-checkpoint's step is the one just before the save's.
+first save of a resumed run, the save after a failed one) takes the arrays, where the latest checkpoint's step is
+the one just before the save's, from the copies its manager's restore of that checkpoint kept
+(:meth:`Predictor.restoring`), or reads them back from the vault.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -24,7 +26,7 @@ import zstandard
 
 from .._codecs import DEFAULT_CODEC
 from .._format.records import Manifest, PredictInfo, PredictInput
-from .._restore.tensors import manifest_leaves, restore_paths
+from .._restore.tensors import copied_record, manifest_leaves, restore_paths, tree_of
 from .._save.snapshot import ArrayRecord, Snapshot, take_snapshot
 from .._vault import Vault
 from ..errors import PredictionError, VaultError
@@ -85,6 +87,10 @@ class Predictor:
     _pairings: dict[SlotKey, str] = field(default_factory=dict)
     #: per record path and block: its raw bytes' estimate (compressed fraction of the sample, step it was made at)
     _raw_estimates: dict[str, dict[int, tuple[float, int]]] = field(default_factory=dict)
+    #: copies of the arrays a restore of a committed checkpoint read (its step and time; record index -> array), for
+    #: the first save's predictions in place of reading them back (:meth:`restoring`)
+    _restored: tuple[int, float, dict[int, Any]] | None = None
+    _restored_lock: threading.Lock = field(default_factory=threading.Lock)
 
     def apply(self, snapshot: Snapshot, latest: Manifest | None, step: int, block: int,
               pool: ThreadPoolExecutor | None = None, vault: Vault | None = None) -> Snapshot:
@@ -190,28 +196,62 @@ class Predictor:
             return
         _step, views, slots, records = self._pending
         self._pending = None
+        with self._restored_lock:
+            self._restored = None  # this predictor keeps its own saves' arrays from now on
         old = self._kept.arrays if self._kept is not None else {}
         self._kept = _kept_of(manifest, views, slots, records, old)
 
+    def restoring(self, manifest: Manifest) -> Callable[[Manifest, int, memoryview], None] | None:
+        """While committed ``manifest`` is restored in this process, before this predictor kept any arrays (a resumed
+        run): the function for ``_restore.tensors.RESTORED``, which keeps a copy of each array record the restore
+        reads, so that a first save one step later predicts from them instead of reading them back. Restores of the
+        same checkpoint add to the copies (a model, then its optimizer); one of another replaces them. None once
+        this predictor keeps arrays of its own saves."""
+        if self._kept is not None:
+            return None
+        with self._restored_lock:
+            if self._restored is None or self._restored[:2] != (manifest.step, manifest.time):
+                self._restored = (manifest.step, manifest.time, {})
+            copies = self._restored[2]
+
+        def noted(read: Manifest, index: int, view: memoryview) -> None:
+            record = read.tensors[index]
+            if (read.step, read.time) != (manifest.step, manifest.time) or record is not manifest.tensors[index]:
+                return  # another manifest's read (none is expected): not this checkpoint's record
+            if record.kind in ("torch", "numpy"):
+                copy = copied_record(record, view)
+                with self._restored_lock:
+                    copies[index] = copy
+
+        return noted
+
     def _read_back(self, vault: Vault, latest: Manifest, slots: dict[SlotKey, ParamSlot], records: list[ArrayRecord],
                    step: int) -> _Kept | None:
-        """What :meth:`keep` would have kept of committed checkpoint ``latest``, read back from ``vault``: its
-        optimizers' subtrees (moments, step counts, groups) and the model arrays that ``slots`` (this save's) may
-        pair with. None where it cannot be read (logged; the save goes on without predictions)."""
+        """What :meth:`keep` would have kept of committed checkpoint ``latest``: its optimizers' subtrees (moments,
+        step counts, groups) and the model arrays that ``slots`` (this save's) may pair with, from the copies a
+        restore of it kept (:meth:`restoring`) if they hold them all, else read back from ``vault``. None where they
+        cannot be read (logged; the save goes on without predictions)."""
         optimizers = {path for path, _pid in slots}
         candidates = {records[i].path for slot in slots.values() for i in slot.candidates}
         leaves = manifest_leaves(latest)
         wanted = {path for path, node in leaves.items()
                   if "pickle" not in node and (path in candidates or any(not o or path.startswith(o + ".")
                                                                          for o in optimizers))}
-        try:
-            state = restore_paths(vault, latest, wanted)
-        except VaultError as exc:
-            log.warning("step %d is saved without predictions: step %d's arrays could not be read back (%s: %s)",
-                        step, latest.step, type(exc).__name__, exc)
-            return None
-        arrays = sum(1 for path in wanted if next(iter(leaves[path])) in ("tensor", "ndarray"))
-        log.debug("read back %d arrays of step %d to predict step %d from", arrays, latest.step, step)
+        arrays = {path: node[tag] for path in wanted if (tag := next(iter(node := leaves[path]))) in ("tensor", "ndarray")}
+        with self._restored_lock:
+            restored, self._restored = self._restored, None
+        if (restored is not None and restored[:2] == (latest.step, latest.time) and set(arrays.values()) <= restored[2].keys()
+                and not any("shards" in leaves[path] for path in wanted)):
+            log.debug("kept %d arrays of step %d from its restore to predict step %d from", len(arrays), latest.step, step)
+            state = tree_of(latest, {i: restored[2][i] for i in arrays.values()}, wanted)
+        else:
+            try:
+                state = restore_paths(vault, latest, wanted)
+            except VaultError as exc:
+                log.warning("step %d is saved without predictions: step %d's arrays could not be read back (%s: %s)",
+                            step, latest.step, type(exc).__name__, exc)
+                return None
+            log.debug("read back %d arrays of step %d to predict step %d from", len(arrays), latest.step, step)
         before = take_snapshot(state, CodecRules(None, DEFAULT_CODEC))
         records_before = list(before.records)
         return _kept_of(latest, list(before.views), find_slots(before.tree, records_before, before.views, self.pairs),

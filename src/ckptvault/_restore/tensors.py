@@ -14,6 +14,7 @@ import threading
 import weakref
 from collections import defaultdict
 from collections.abc import Callable, Iterable
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -40,20 +41,63 @@ from .verified import read_verified, read_verified_into_parts
 Dest = int | tuple[str, int] | tuple[str, int, int, int]
 
 
+#: a function the reads of a restore in this context hand each whole record they filled (its index and its bytes,
+#: to copy before it returns), or None; set by a caller around its restore (a manager with predicted deltas keeps a
+#: resumed run's arrays to predict its first save from)
+RESTORED: ContextVar[Callable[[Manifest, int, memoryview], None] | None] = ContextVar("restored", default=None)
+
+
 def read_into(vault: Vault, manifest: Manifest, dests: dict[Dest, memoryview | Callable[[], memoryview]],
               progress: Progress | None = None, on_filled: Callable[[Dest], None] | None = None) -> None:
     """Fill ``dests`` as :func:`read_stored` does, predicted records rebuilt (``predicted.py``) after the others
-    (their extra reads are not reported to ``progress``)."""
+    (their extra reads are not reported to ``progress``); each whole record filled goes to :data:`RESTORED`'s
+    function, if one is set."""
+    noted = RESTORED.get()
+    seen: dict[int, memoryview] = {}
+    originals = {key: value for key, value in dests.items() if isinstance(key, int)} if noted is not None else {}
+    if noted is not None:
+        on_filled = _noting(noted, manifest, dests, seen, on_filled)
     predicted = {key: dests[key] for key in dests if is_predicted(manifest.tensors, key)}
-    if not predicted:
-        read_stored(vault, manifest, dests, progress, on_filled)
-        return
     for key in predicted:
         del dests[key]
     read_stored(vault, manifest, dests, progress, on_filled)
-    fill_predicted(vault, manifest, predicted, read_stored, on_filled)
+    if predicted:
+        fill_predicted(vault, manifest, predicted, read_stored, on_filled)
     if on_filled is None:  # as read_stored leaves them
         dests.update(predicted)
+    if noted is not None and on_filled is None:  # every record is filled now
+        for key, original in originals.items():
+            view = seen.get(key)
+            if view is not None:
+                noted(manifest, key, view)
+            dests[key] = original if view is None else view
+
+
+def _noting(noted: Callable[[Manifest, int, memoryview], None], manifest: Manifest,
+            dests: dict[Dest, memoryview | Callable[[], memoryview]], seen: dict[int, memoryview],
+            on_filled: Callable[[Dest], None] | None) -> Callable[[Dest], None] | None:
+    """Make each whole-record destination of ``dests`` a function that notes its view in ``seen`` as it is made;
+    with ``on_filled``, the function to call instead, which hands each filled record to ``noted`` first (and
+    forgets it: its buffer may be freed once ``on_filled`` returns)."""
+    def resolving(key: int, value: memoryview | Callable[[], memoryview]) -> Callable[[], memoryview]:
+        def make() -> memoryview:
+            view = seen[key] = value if isinstance(value, memoryview) else value()
+            return view
+        return make
+
+    for key, value in list(dests.items()):
+        if isinstance(key, int):
+            dests[key] = resolving(key, value)
+    if on_filled is None:
+        return None
+    inner = on_filled
+
+    def filled(key: Dest) -> None:
+        view = seen.pop(key, None) if isinstance(key, int) else None
+        if view is not None:
+            noted(manifest, key, view)  # type: ignore[arg-type]
+        inner(key)
+    return filled
 
 
 def read_stored(vault: Vault, manifest: Manifest, dests: dict[Dest, memoryview | Callable[[], memoryview]],
@@ -236,6 +280,19 @@ def select(manifest: Manifest, keys: Iterable[str] | None) -> set[str] | None:
         tops = sorted({p.split(".", 1)[0] for p in paths})
         raise KeyMismatchError(f"no key path matches {patterns}; top-level keys are {tops[:20]}")
     return chosen
+
+
+def copied_record(record: TensorRecord, view: memoryview) -> Any:
+    """A new tensor or array holding a copy of ``view``: record ``record``'s bytes as a restore filled them."""
+    value = empty_like_record(record.kind, record.dtype, list(record.shape))
+    np.frombuffer(writable_bytes(value), dtype=np.uint8)[:] = np.frombuffer(view, dtype=np.uint8)
+    return value
+
+
+def tree_of(manifest: Manifest, values: dict[int, Any], selected: set[str]) -> Any:
+    """The part of ``manifest``'s state at the leaf key paths ``selected``, its arrays taken from ``values`` (record
+    index -> tensor or array as :func:`empty_like_record` makes them), as :func:`restore_paths` returns it."""
+    return unflatten(manifest.tree, {i: _finish(manifest.tensors[i], v) for i, v in values.items()}, selected, False)
 
 
 def restore_tree(vault: Vault, manifest: Manifest, keys: Iterable[str] | None, allow_pickle: bool,

@@ -89,6 +89,11 @@ class Saver(InFlight):
         self._manifests = ManifestCache() if deltas else None  # the next save's base manifests, without a re-read
         register_live(self)
 
+    @property
+    def predictor(self) -> Predictor | None:
+        """The predictor of this saver's predicted deltas (``DeltaOptions.predict``), or None."""
+        return self._predictor
+
     def submit(self, request: SaveRequest, state: Any, rules: CodecRules, allow_pickle: bool) -> SaveHandle:
         """Stage ``state`` and start (or, when synchronous, run) its save."""
         self.raise_pending()
