@@ -306,8 +306,49 @@ def test_a_restore_of_an_earlier_step_keeps_nothing_for_the_first_save(tmp_path,
     with CheckpointManager(tmp_path / "v", delta=DeltaOptions(predict=True, keyframe_every=20, max_chain=19)) as mgr:
         mgr.restore(3)
         assert mgr._saver.predictor._restored is None  # noqa: SLF001 - no copies of a step no save predicts from
-        mgr.restore(4, keys=["model.*"])
+        state = mgr.restore(4, keys=["model.*"])
         assert len(mgr._saver.predictor._restored[2]) == 5  # noqa: SLF001 - the model's five arrays
+        mgr.save(10, state)  # not the step after: the copies go once a save is committed
+        mgr.wait()
+        assert mgr._saver.predictor._restored is None  # noqa: SLF001
+
+
+def test_a_resumed_run_with_a_lossy_array_keeps_copies_of_the_exact_ones_and_predicts_them(tmp_path, caplog):
+    """A lossy record's read fills a buffer of its stored form, not of its values: the restore keeps no copy of it,
+    still restores exactly what a plain restore does, and the first save predicts the model and optimizer."""
+    options = {"delta": DeltaOptions(predict=True, keyframe_every=20, max_chain=19), "codec_rules": {"ema": "bf16"}}
+    model = _model()
+    opt = _adamw(model)
+    with CheckpointManager(tmp_path / "v", **options) as first:
+        for step in (1, 2):
+            model(torch.randint(0, 100, (8, 6))).logsumexp(-1).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            first.save(step, {"model": model.state_dict(), "optimizer": opt.state_dict(), "ema": torch.randn(4096)})
+    with CheckpointManager(tmp_path / "v", **options) as mgr, caplog.at_level("DEBUG", logger="ckptvault"):
+        plain = ckptvault.load(tmp_path / "v", 2)
+        state = mgr.restore(2)
+        _assert_same(state, plain)
+        copies = mgr._saver.predictor._restored[2]  # noqa: SLF001
+        assert {mgr.manifest(2)["tensors"][i]["path"] for i in copies} == set(_named_paths(plain)) - {"ema"}
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        model(torch.randint(0, 100, (8, 6))).logsumexp(-1).mean().backward()
+        opt.step()
+        saved = copy.deepcopy({"model": model.state_dict(), "optimizer": opt.state_dict(), "ema": state["ema"]})
+        mgr.save(3, saved)
+        mgr.wait()
+        assert {f"model.{name}" for name in saved["model"]} <= _predicted_paths(mgr, 3)
+        _assert_same(mgr.restore(3, keys=["model.*", "optimizer.*"]), {k: saved[k] for k in ("model", "optimizer")})
+    assert any(r.getMessage().startswith("kept 20 arrays of step 2 from its restore") for r in caplog.records)
+    assert not [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+
+
+def _named_paths(state, path=""):
+    """The key paths of every tensor of ``state``."""
+    from ckptvault._tree import array_leaves
+
+    return [p for p, _ in array_leaves(state, path)]
 
 
 def test_a_resumed_run_reads_nothing_back_for_a_save_that_is_not_the_next_step(tmp_path, caplog):

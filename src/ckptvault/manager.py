@@ -354,7 +354,7 @@ class CheckpointManager(MaintenanceMixin):
         save: what keeps the arrays the restore reads, so that a save one step later predicts from them rather than
         reading them back (``Predictor.restoring``)."""
         predictor = self._saver.predictor if isinstance(self._saver, Saver) else None
-        if predictor is None or manifest.step != self.latest_step():
+        if predictor is None or predictor.keeps_arrays or manifest.step != self.latest_step():
             return None
         return predictor.restoring(manifest)
 

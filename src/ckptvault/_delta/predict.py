@@ -191,15 +191,20 @@ class Predictor:
 
     def keep(self, manifest: Manifest) -> None:
         """After ``manifest`` (this save's) is committed: keep its arrays for the next save's predictions."""
+        with self._restored_lock:
+            self._restored = None  # this predictor keeps its own saves' arrays from now on
         if self._pending is None or self._pending[0] != manifest.step:
             self.forget()
             return
         _step, views, slots, records = self._pending
         self._pending = None
-        with self._restored_lock:
-            self._restored = None  # this predictor keeps its own saves' arrays from now on
         old = self._kept.arrays if self._kept is not None else {}
         self._kept = _kept_of(manifest, views, slots, records, old)
+
+    @property
+    def keeps_arrays(self) -> bool:
+        """Whether this predictor holds the arrays of a save it made (then it needs no restore's)."""
+        return self._kept is not None
 
     def restoring(self, manifest: Manifest) -> Callable[[Manifest, int, memoryview], None] | None:
         """While committed ``manifest`` is restored in this process, before this predictor kept any arrays (a resumed
@@ -218,10 +223,16 @@ class Predictor:
             record = read.tensors[index]
             if (read.step, read.time) != (manifest.step, manifest.time) or record is not manifest.tensors[index]:
                 return  # another manifest's read (none is expected): not this checkpoint's record
-            if record.kind in ("torch", "numpy"):
+            if record.kind not in ("torch", "numpy") or record.is_lossy or len(view) != record.nbytes:
+                return  # a lossy record's view holds its stored form, not its values
+            try:
                 copy = copied_record(record, view)
-                with self._restored_lock:
-                    copies[index] = copy
+            except Exception as exc:  # noqa: BLE001 - a copy for a later save must never fail the restore
+                log.warning("could not keep a copy of %r as step %d was restored (%s: %s); the next save reads it "
+                            "back", record.path, manifest.step, type(exc).__name__, exc)
+                return
+            with self._restored_lock:
+                copies[index] = copy
 
         return noted
 
