@@ -385,6 +385,50 @@ def test_a_checkpoint_that_cannot_be_read_back_leaves_the_next_save_unpredicted_
         rf"{cid} is corrupt .*\)", warnings[0], re.S), warnings
 
 
+def test_show_and_ls_say_what_a_restore_rebuilds_and_which_arrays_are_predicted(tmp_path):
+    """A keyframe and predicted checkpoints, one of them deleted (the chains of later steps still hold it): the
+    ``restore`` line of ``show``, its PREDICTED column and JSON, and ``ls --json``'s ``keyframe_step`` and ``chain``."""
+    from click.testing import CliRunner
+
+    from ckptvault.cli import main
+
+    saved, mgr = _train(_adamw, 5, tmp_path / "v", keyframe_every=20, max_chain=19)
+    with mgr:
+        mgr.delete(2)  # step 3 stays restorable; what shows is its own chain
+        info = mgr.info(5)
+        assert (info.keyframe_step, info.chain) == (1, 4)
+        assert {t.path: t.predicted for t in info.tensors if t.path.startswith("model.")} == dict.fromkeys(
+            (f"model.{k}" for k in saved[5]["model"]), "adam-param-1")
+        assert {t.path: t.predicted for t in info.tensors}["optimizer.state.0.step"] is None
+    url = str(tmp_path / "v")
+    shown = CliRunner().invoke(main, ["show", url, "5"])
+    assert shown.exit_code == 0, shown.output
+    assert "restore   predicted from step 4: rebuilds 4 checkpoints first, from keyframe 1\n" in shown.output
+    rows = {line.split()[0]: line.split() for line in shown.output.split("\n\n")[1].splitlines()}
+    assert rows["KEY"][-1] == "PREDICTED" and rows["model.0.weight"][-1] == "adam-param-1"
+    assert rows["optimizer.state.0.exp_avg_sq"][-1] == "adam-sq-1" and rows["optimizer.state.0.step"][-1] == "-"
+    keyframe = CliRunner().invoke(main, ["show", url, "1"])
+    assert "restore   a keyframe (no earlier checkpoint needed)\n" in keyframe.output
+    assert "PREDICTED" not in keyframe.output
+    doc = json.loads(CliRunner().invoke(main, ["show", url, "5", "--json"]).output)
+    assert (doc["keyframe_step"], doc["chain"]) == (1, 4)
+    assert {t["path"]: t["predicted"] for t in doc["tensors"]}["model.3.bias"] == "adam-param-1"
+    listed = json.loads(CliRunner().invoke(main, ["ls", url, "--json"]).output)["checkpoints"]
+    assert [(c["step"], c["keyframe_step"], c["chain"]) for c in listed] == [(1, 1, 0), (3, 1, 2), (4, 1, 3), (5, 1, 4)]
+
+
+def test_show_names_the_keyframe_of_an_xor_delta(tmp_path):
+    from click.testing import CliRunner
+
+    from ckptvault.cli import main
+
+    with CheckpointManager(tmp_path / "v", async_save=False) as mgr:
+        mgr.save(1, {"w": torch.arange(1000.0)})
+        mgr.save(2, {"w": torch.arange(1000.0) + 1})
+    shown = CliRunner().invoke(main, ["show", str(tmp_path / "v"), "2"])
+    assert "restore   deltas against keyframe 1\n" in shown.output, shown.output
+
+
 def test_the_manifest_declares_predictions_and_their_chain(tmp_path):
     _saved, mgr = _train(lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3), 3, tmp_path / "v")
     with mgr:

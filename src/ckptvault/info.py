@@ -20,7 +20,10 @@ class TensorInfo:
     An array of a DCP checkpoint (``ckptvault.distributed.VaultWriter``) stored as the shards the ranks held is one
     TensorInfo: ``shape`` is the whole array's (its global shape), ``nbytes`` and ``stored_bytes`` sum over its
     shards, ``shards`` counts them and ``boxes`` gives each one's ``(offsets, shape)`` in the array (empty, and
-    ``shards`` 1, for an array not stored as shards)."""
+    ``shards`` 1, for an array not stored as shards).
+
+    ``predicted``: for an array stored as its residual against a prediction from the checkpoint one step earlier
+    (``DeltaOptions(predict=True)``), the prediction's kernel (such as ``"adam-param-1"``); None otherwise."""
 
     path: str
     kind: str
@@ -33,6 +36,7 @@ class TensorInfo:
     notes: tuple[str, ...] = ()
     shards: int = 1
     boxes: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...] = ()
+    predicted: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict of every field (``boxes`` as ``[{"offsets", "shape"}]``)."""
@@ -53,6 +57,9 @@ class CheckpointInfo:
     save whose arrays all have at least as many rows as ranks, the world size of the save).
     ``metrics``: as saved; a non-finite number (NaN, infinity) is stored as the string ``"nan"``, ``"inf"`` or
     ``"-inf"`` and given back here as a float (so a metric saved as one of those strings also reads back as a float).
+    ``keyframe_step``: the keyframe this checkpoint's deltas are against (its own step for a keyframe);
+    ``chain``: how many earlier checkpoints a restore of it rebuilds first (predicted deltas: the restore chain's
+    length; 0 otherwise).
     """
 
     step: int
@@ -67,6 +74,8 @@ class CheckpointInfo:
     sharded: bool = False
     num_shards: int = 0
     max_shards: int = 1
+    keyframe_step: int | None = None
+    chain: int = 0
 
     @property
     def ratio(self) -> float:
@@ -76,7 +85,7 @@ class CheckpointInfo:
     def to_dict(self, with_tensors: bool = False) -> dict[str, Any]:
         out = {k: getattr(self, k) for k in ("step", "time", "logical_bytes", "stored_bytes", "added_bytes",
                                              "metrics", "metadata", "num_chunks", "sharded", "num_shards",
-                                             "max_shards")}
+                                             "max_shards", "keyframe_step", "chain")}
         out["ratio"] = self.ratio
         if with_tensors:
             out["tensors"] = [t.to_dict() for t in self.tensors]
@@ -104,14 +113,15 @@ def info_from_manifest(manifest: Manifest) -> CheckpointInfo:
         codec = f"{_lossy_name(lossy)}+{t.codec}" if lossy else t.codec
         tensors.append(TensorInfo(t.path, t.kind, t.dtype, array.shape, array.nbytes, round(stored), codec,
                                   _error(lossy.error if lossy else None), t.lossy.notes if t.lossy else (),
-                                  array.shards, array.boxes))
+                                  array.shards, array.boxes, t.predict.op if t.predict is not None else None))
     return CheckpointInfo(
         step=manifest.step, time=manifest.time, logical_bytes=manifest.logical_bytes,
         stored_bytes=manifest.stored_bytes, added_bytes=manifest.added_bytes,
         metrics=metrics_from_manifest(manifest.metrics),
         metadata=manifest.metadata, tensors=tensors, num_chunks=len(chunks),
         sharded=any(a.sharded for a in arrays), num_shards=sum(a.shards for a in arrays),
-        max_shards=max((a.shards for a in arrays), default=1),
+        max_shards=max((a.shards for a in arrays), default=1), keyframe_step=manifest.keyframe,
+        chain=len(manifest.chain),
     )
 
 

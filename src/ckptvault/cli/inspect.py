@@ -41,6 +41,7 @@ def info_json(info: CheckpointInfo) -> dict[str, Any]:
         "compression": compression(info), "num_chunks": info.num_chunks, "num_tensors": len(info.tensors),
         "sharded": info.sharded, "num_shards": info.num_shards, "max_shards": info.max_shards,
         "metrics": non_finite_as_str(info.metrics), "metadata": info.metadata,
+        "keyframe_step": info.keyframe_step, "chain": info.chain,
     }
 
 
@@ -85,7 +86,9 @@ def ls(url: str, as_json: bool) -> None:
     (logical/stored), "num_chunks", "num_tensors" (arrays), "sharded" (a DCP
     checkpoint of sharded arrays), "num_shards" (records holding the arrays),
     "max_shards" (most shards of one array), "metrics", "metadata",
-    "keyframe_step", "pins", "kept"}], "damaged": [{"step", "error"}]}
+    "keyframe_step" (the keyframe its deltas are against; its own step for a
+    keyframe), "chain" (earlier checkpoints a restore rebuilds first:
+    predicted deltas), "pins", "kept"}], "damaged": [{"step", "error"}]}
     """
     with open_manager(url) as mgr:
         manifests: list[Manifest] = []
@@ -106,8 +109,8 @@ def ls(url: str, as_json: bool) -> None:
         kept = kept_reasons(manifests, pins)
         if as_json:
             emit_json({"url": mgr.url, "checkpoints": [
-                info_json(i) | {"keyframe_step": m.keyframe, "pins": sorted(pins.get(i.step, ())), "kept": kept[i.step]}
-                for i, m in zip(infos, manifests)], "damaged": damaged})
+                info_json(i) | {"pins": sorted(pins.get(i.step, ())), "kept": kept[i.step]} for i in infos],
+                "damaged": damaged})
         else:
             _print_ls(mgr.url, infos, damaged, kept)
     if damaged:
@@ -142,15 +145,19 @@ def _print_ls(url: str, infos: list[CheckpointInfo], damaged: list[dict[str, Any
 def show(url: str, step: int | None, patterns: tuple[str, ...], as_json: bool, as_manifest: bool) -> None:
     """Show checkpoint STEP (default: the latest): header and tensor table.
 
-    A header with the step, time, sizes, metrics, metadata and pins, then one row per
+    A header with the step, time, sizes, what a restore reads (a keyframe, a
+    delta against one, or predicted deltas and how many earlier checkpoints a
+    restore rebuilds first), metrics, metadata and pins, then one row per
     stored array: KEY PATH, DTYPE (numpy arrays as np.<dtype>), SHAPE, LOGICAL
     bytes, STORED bytes (its share of the compressed chunks it lives in) and
     CODEC (a lossy one as LOSSY+LOSSLESS, e.g. bf16+zstd). When any listed
-    tensor is stored lossily, its measured error follows: MAX ABS ERR, REL L2
-    (relative L2 error) and FLUSHED (non-zero values restored as zero), and
-    notes say where an unsafe lossy codec fell back to a safer one. Python
-    scalars, strings and containers are kept in the manifest's skeleton and
-    are not listed.
+    tensor is stored as its residual against a prediction, PREDICTED names
+    the prediction (adam-param-1: the weights from the step's moments, ...).
+    When any listed tensor is stored lossily, its measured error follows: MAX
+    ABS ERR, REL L2 (relative L2 error) and FLUSHED (non-zero values restored
+    as zero), and notes say where an unsafe lossy codec fell back to a safer
+    one. Python scalars, strings and containers are kept in the manifest's
+    skeleton and are not listed.
 
     A DCP checkpoint (saved by every rank with ckptvault.distributed.VaultWriter)
     stores an array as the shards its ranks held: it is listed once, with the
@@ -159,11 +166,11 @@ def show(url: str, step: int | None, patterns: tuple[str, ...], as_json: bool, a
     65+64): 65 rows, then 64).
 
     \b
-    JSON: the ls fields (without "keyframe_step" and "kept") plus "pins": [TAG], "tensors": [{"path", "kind", "dtype", "shape",
+    JSON: the ls fields (without "kept") plus "pins": [TAG], "tensors": [{"path", "kind", "dtype", "shape",
     "nbytes", "stored_bytes", "codec", "error", "notes", "shards", "boxes":
-    [{"offsets", "shape"}]}]; "error" is null or {"max_abs", "rel_l2",
-    "flushed", "overflow", "nan"}; "boxes" is empty for an array not stored as
-    shards
+    [{"offsets", "shape"}], "predicted"}]; "error" is null or {"max_abs",
+    "rel_l2", "flushed", "overflow", "nan"}; "boxes" is empty for an array not
+    stored as shards; "predicted" is null or the prediction's name
 
     --manifest: the manifest body itself, as JSON (every field the vault stores for the checkpoint).
     """
@@ -187,12 +194,15 @@ def show(url: str, step: int | None, patterns: tuple[str, ...], as_json: bool, a
         click.echo()
         lossy = any(t.error is not None for t in tensors)  # measured error columns only where a codec was lossy
         sharded = info.sharded  # the SHARDS column only for DCP checkpoints
+        predicted = any(t.predicted is not None for t in tensors)
         click.echo(table(("KEY PATH", "DTYPE", "SHAPE") + (("SHARDS",) if sharded else ())
-                         + ("LOGICAL", "STORED", "CODEC") + (("MAX ABS ERR", "REL L2", "FLUSHED") if lossy else ()), [
+                         + ("LOGICAL", "STORED", "CODEC") + (("PREDICTED",) if predicted else ())
+                         + (("MAX ABS ERR", "REL L2", "FLUSHED") if lossy else ()), [
             (t.path, dtype_label(t.kind, t.dtype), shape_label(t.shape)) + ((shards_label(t),) if sharded else ())
             + (human_bytes(t.nbytes), human_bytes(t.stored_bytes), t.codec)
+            + ((t.predicted or "-",) if predicted else ())
             + (_error_cells(t.error) if lossy else ()) for t in tensors],
-            "llllrrlrrr" if sharded else "lllrrlrrr"))
+            ("llll" if sharded else "lll") + "rrl" + ("l" if predicted else "") + "rrr"))
         for t in tensors:
             for note in t.notes:
                 click.echo(f"note: {t.path}: {note}")
@@ -229,12 +239,24 @@ def _header(info: CheckpointInfo, url: str, tags: list[str]) -> list[tuple[str, 
         ("stored", f"{human_bytes(info.stored_bytes)} in {info.num_chunks} chunks, compression {compression_label(info)} "
                    f"({percent(info.stored_bytes, info.logical_bytes)} of logical)"),
         ("added", f"{human_bytes(info.added_bytes)} new to the vault with this checkpoint"),
+        ("restore", _restore_label(info)),
         *([("layout", f"sharded (a DCP checkpoint): {len(info.tensors)} arrays stored as {info.num_shards} shards, "
                       f"at most {info.max_shards} per array")] if info.sharded else []),
         ("metrics", compact_mapping(info.metrics) or "-"),
         ("metadata", compact_mapping(info.metadata) or "-"),
         ("pins", ", ".join(tags) or "-"),
     ]
+
+
+def _restore_label(info: CheckpointInfo) -> str:
+    """What a restore of the checkpoint reads: the header's ``restore`` line."""
+    if info.chain:
+        earlier = "checkpoint" if info.chain == 1 else f"{info.chain} checkpoints"
+        return (f"predicted from step {info.step - 1}: rebuilds {earlier} first, from keyframe "
+                f"{info.keyframe_step}")
+    if info.keyframe_step == info.step:
+        return "a keyframe (no earlier checkpoint needed)"
+    return f"deltas against keyframe {info.keyframe_step}"
 
 
 # -- du -----------------------------------------------------------------------------
