@@ -1047,6 +1047,45 @@ def test_the_restore_chain_is_stored_in_chunks_once_per_level_and_named_by_refer
             _assert_same(mgr.restore(step), saved[step])
 
 
+def test_a_process_reads_and_checks_each_chain_level_once(tmp_path, monkeypatch):
+    """Every later manifest of a chain names the same levels: restoring steps 7 and then 8 (or verifying them all)
+    reads and checks each level's bytes once in a process, and the prediction inputs of every manifest still."""
+    from ckptvault._format import schema
+    from ckptvault._restore import chain
+
+    saved, mgr = _train(_adamw, 8, tmp_path / "v")
+    checked, inputs = [], []
+    real_level, real_inputs = schema.check_chain_level, schema.check_chain_inputs
+    monkeypatch.setattr(chain, "_CHECKED", chain.Remembered(chain.LEVELS_KEPT))  # none from other tests
+    monkeypatch.setattr(chain, "check_chain_level", lambda m, n, *a: checked.append(m.chain[n].step) or real_level(m, n, *a))
+    monkeypatch.setattr(chain, "check_chain_inputs", lambda m, *a: inputs.append(m.step) or real_inputs(m, *a))
+    with mgr:
+        _assert_same(mgr.restore(7), saved[7])
+        assert sorted(checked) == [1, 2, 3, 4, 5, 6] and inputs == [7]
+        _assert_same(mgr.restore(8), saved[8])
+        assert sorted(checked) == [1, 2, 3, 4, 5, 6, 7] and inputs == [7, 8]  # level 7 is new to step 8's chain
+        assert mgr.verify().ok
+        assert sorted(checked) == [1, 2, 3, 4, 5, 6, 7] and inputs[2:] == [2, 3, 4, 5, 6, 7, 8]
+
+
+def test_a_remembered_level_whose_chunks_do_not_fit_a_manifest_is_checked_again_and_refused(tmp_path):
+    """A manifest naming a remembered level's bytes, but a chunk table its records do not fit (shorter chunks), is
+    checked in full, as without the memo: CorruptManifestError naming the record's piece."""
+    from dataclasses import replace as replaced
+
+    from ckptvault._restore.chain import with_chain
+
+    _saved, mgr = _train(_adamw, 3, tmp_path / "v")
+    with mgr:
+        manifest = mgr.vault.read_manifest(3)
+        whole = with_chain(mgr.vault, manifest)  # remembers the levels of steps 2 and 1
+        used = whole.chain[0].tensors[0].pieces[0].chunk  # a chunk a record of the newest level reads
+        shrunk = tuple(replaced(c, raw=c.raw // 2) if i == used else c for i, c in enumerate(manifest.chunks))
+        with pytest.raises(CorruptManifestError, match=r"field chain\[0\]\.tensors\[\d+\]\.pieces\[0\] bytes \d+\.\.\d+ "
+                                                       rf"lie outside chunk {used} of {shrunk[used].raw} bytes"):
+            with_chain(mgr.vault, replaced(manifest, chunks=shrunk))
+
+
 def test_a_manifest_holding_its_chain_inline_still_restores_and_chains_on(tmp_path):
     """Manifests written before levels were stored in chunks hold each level's records inline; they restore, and
     a checkpoint predicted from one names its new level in chunks and passes the inline levels on."""

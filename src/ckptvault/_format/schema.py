@@ -194,8 +194,9 @@ def check_manifest(body: Any, what: str, step: int | None = None, chunk_size: in
 
 def check_chain_level(manifest: Manifest, n: int, data: bytes, what: str) -> Manifest:
     """``manifest`` with chain level ``n`` (stored in chunks) holding the records of ``data``, the bytes its pieces
-    hold; ``what`` names the manifest in messages. Every prediction's inputs are checked again with them. Raises
-    CorruptManifestError."""
+    hold; ``what`` names the manifest in messages. The level's own records are checked; the inputs of the
+    predictions that read them are not yet: :func:`check_chain_inputs` once the levels wanted are in place.
+    Raises CorruptManifestError."""
     from .manifest import parse_json  # the manifest module imports this one
 
     f = _Fields(what)
@@ -203,9 +204,14 @@ def check_chain_level(manifest: Manifest, n: int, data: bytes, what: str) -> Man
     raws = [chunk.raw for chunk in manifest.chunks]
     body = parse_json(data, f"{what} {at}", CorruptManifestError)
     level = check_level(f, body, manifest.chain[n], at, lambda record, field: _check_record(f, record, field, raws))
-    chain = (*manifest.chain[:n], level, *manifest.chain[n + 1:])
-    check_inputs(f, manifest.tensors, chain, manifest.requires)
-    return replace(manifest, chain=chain)
+    return replace(manifest, chain=(*manifest.chain[:n], level, *manifest.chain[n + 1:]))
+
+
+def check_chain_inputs(manifest: Manifest, what: str) -> None:
+    """Every prediction's inputs, in ``manifest``'s records and the chain levels it holds, resolve to a record of
+    its dtype and shape (after :func:`check_chain_level` put levels in place: once for all of them, where a check
+    after each would check the records of every level again for each). Raises CorruptManifestError."""
+    check_inputs(_Fields(what), manifest.tensors, manifest.chain, manifest.requires)
 
 
 def _check_format_and_version(f: _Fields, body: dict[str, Any]) -> int:
