@@ -313,6 +313,20 @@ def test_a_restore_of_an_earlier_step_keeps_nothing_for_the_first_save(tmp_path,
         assert mgr._saver.predictor._restored is None  # noqa: SLF001
 
 
+def test_a_restore_whose_latest_step_cannot_be_listed_still_restores_and_keeps_nothing(tmp_path, monkeypatch):
+    from ckptvault.errors import VaultError
+
+    saved, first = _train(_adamw, 2, tmp_path / "v")
+    first.close()
+    with CheckpointManager(tmp_path / "v", delta=DeltaOptions(predict=True)) as mgr:
+        def unlistable() -> None:
+            raise VaultError("the listing failed")
+
+        monkeypatch.setattr(mgr, "latest_step", unlistable)
+        _assert_same(mgr.restore(2), saved[2])
+        assert mgr._saver.predictor._restored is None  # noqa: SLF001
+
+
 def test_a_resumed_run_with_a_lossy_array_keeps_copies_of_the_exact_ones_and_predicts_them(tmp_path, caplog):
     """A lossy record's read fills a buffer of its stored form, not of its values: the restore keeps no copy of it,
     still restores exactly what a plain restore does, and the first save predicts the model and optimizer."""

@@ -32,7 +32,7 @@ from ._save.preemption import Preempted, PreemptionHandler, critical, signal_num
 from ._save.process_child import ChildConfig
 from ._save.process_saver import ProcessSaver, pickled_retention
 from ._vault import Vault
-from .errors import InvalidArgumentError, ManagerClosedError, StepExistsError, VaultNotFoundError
+from .errors import InvalidArgumentError, ManagerClosedError, StepExistsError, VaultError, VaultNotFoundError
 from .handle import SaveHandle
 from .info import CheckpointInfo, info_from_manifest
 from .options import AsyncOptions, DeltaOptions, DistributedOptions, LossySafety, grouped
@@ -354,9 +354,14 @@ class CheckpointManager(MaintenanceMixin):
         save: what keeps the arrays the restore reads, so that a save one step later predicts from them rather than
         reading them back (``Predictor.restoring``)."""
         predictor = self._saver.predictor if isinstance(self._saver, Saver) else None
-        if predictor is None or predictor.keeps_arrays or manifest.step != self.latest_step():
+        if predictor is None or predictor.keeps_arrays:
             return None
-        return predictor.restoring(manifest)
+        try:
+            latest = self.latest_step()
+        except VaultError as exc:  # the restore itself does not need the listing: it goes on, keeping nothing
+            log.debug("restore of step %d keeps no copies for the next save: %s", manifest.step, exc)
+            return None
+        return predictor.restoring(manifest) if manifest.step == latest else None
 
     # -- maintenance -------------------------------------------------------
     def delete(self, step: int) -> None:
