@@ -313,6 +313,17 @@ def test_a_restore_of_an_earlier_step_keeps_nothing_for_the_first_save(tmp_path,
         assert mgr._saver.predictor._restored is None  # noqa: SLF001
 
 
+def test_a_restore_of_the_latest_step_lists_the_vault_once(tmp_path, monkeypatch):
+    saved, first = _train(_adamw, 2, tmp_path / "v")
+    first.close()
+    with CheckpointManager(tmp_path / "v", delta=DeltaOptions(predict=True)) as mgr:
+        calls = []
+        real = mgr.latest_step
+        monkeypatch.setattr(mgr, "latest_step", lambda: calls.append(1) or real())
+        _assert_same(mgr.restore(), saved[2])
+        assert len(calls) == 1 and mgr._saver.predictor._restored[0] == 2  # noqa: SLF001 - copies kept of step 2
+
+
 def test_a_restore_whose_latest_step_cannot_be_listed_still_restores_and_keeps_nothing(tmp_path, monkeypatch):
     from ckptvault.errors import VaultError
 

@@ -338,7 +338,7 @@ class CheckpointManager(MaintenanceMixin):
             manifest = self.vault.read_manifest(resolved)
             return self._collective.restore(manifest, into, keys, strict, allow_pickle)
         manifest = self.vault.read_manifest(self._resolve(step))
-        noted = RESTORED.set(self._keeps_restored(manifest))
+        noted = RESTORED.set(self._keeps_restored(manifest, latest=step is None))
         try:
             if into is not None:
                 if has_live_objects(into):
@@ -349,19 +349,20 @@ class CheckpointManager(MaintenanceMixin):
             RESTORED.reset(noted)
             load_if_worth_it()  # as after a commit: once this process has joined enough bytes (planes.LOAD_AFTER)
 
-    def _keeps_restored(self, manifest: Manifest) -> Callable[[Manifest, int, memoryview], None] | None:
+    def _keeps_restored(self, manifest: Manifest, latest: bool) -> Callable[[Manifest, int, memoryview], None] | None:
         """With predicted deltas saved by this process, for a restore of the vault's latest checkpoint before any
         save: what keeps the arrays the restore reads, so that a save one step later predicts from them rather than
-        reading them back (``Predictor.restoring``)."""
+        reading them back (``Predictor.restoring``). ``latest``: ``manifest`` is the latest (the restore asked for
+        it), else the vault is asked."""
         predictor = self._saver.predictor if isinstance(self._saver, Saver) else None
         if predictor is None or predictor.keeps_arrays:
             return None
         try:
-            latest = self.latest_step()
+            latest = latest or manifest.step == self.latest_step()
         except VaultError as exc:  # the restore itself does not need the listing: it goes on, keeping nothing
             log.debug("restore of step %d keeps no copies for the next save: %s", manifest.step, exc)
             return None
-        return predictor.restoring(manifest) if manifest.step == latest else None
+        return predictor.restoring(manifest) if latest else None
 
     # -- maintenance -------------------------------------------------------
     def delete(self, step: int) -> None:
