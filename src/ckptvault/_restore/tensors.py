@@ -13,7 +13,8 @@ import functools
 import threading
 import weakref
 from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -53,51 +54,66 @@ def read_into(vault: Vault, manifest: Manifest, dests: dict[Dest, memoryview | C
     (their extra reads are not reported to ``progress``); each whole record filled goes to :data:`RESTORED`'s
     function, if one is set."""
     noted = RESTORED.get()
-    seen: dict[int, memoryview] = {}
-    originals = {key: value for key, value in dests.items() if isinstance(key, int)} if noted is not None else {}
     if noted is not None:
-        on_filled = _noting(noted, manifest, dests, seen, on_filled)
+        _read_noting(noted, vault, manifest, dests, progress, on_filled)
+        return
     predicted = {key: dests[key] for key in dests if is_predicted(manifest.tensors, key)}
+    if not predicted:
+        read_stored(vault, manifest, dests, progress, on_filled)
+        return
     for key in predicted:
         del dests[key]
     read_stored(vault, manifest, dests, progress, on_filled)
-    if predicted:
-        fill_predicted(vault, manifest, predicted, read_stored, on_filled)
+    fill_predicted(vault, manifest, predicted, read_stored, on_filled)
     if on_filled is None:  # as read_stored leaves them
         dests.update(predicted)
-    if noted is not None and on_filled is None:  # every record is filled now
-        for key, original in originals.items():
-            view = seen.get(key)
-            if view is not None:
-                noted(manifest, key, view)
-            dests[key] = original if view is None else view
 
 
-def _noting(noted: Callable[[Manifest, int, memoryview], None], manifest: Manifest,
-            dests: dict[Dest, memoryview | Callable[[], memoryview]], seen: dict[int, memoryview],
-            on_filled: Callable[[Dest], None] | None) -> Callable[[Dest], None] | None:
-    """Make each whole-record destination of ``dests`` a function that notes its view in ``seen`` as it is made;
-    with ``on_filled``, the function to call instead, which hands each filled record to ``noted`` first (and
-    forgets it: its buffer may be freed once ``on_filled`` returns)."""
+def _read_noting(noted: Callable[[Manifest, int, memoryview], None], vault: Vault, manifest: Manifest,
+                 dests: dict[Dest, memoryview | Callable[[], memoryview]], progress: Progress | None,
+                 on_filled: Callable[[Dest], None] | None) -> None:
+    """:func:`read_into` handing each whole record it filled to ``noted``: each whole-record destination becomes
+    a function that notes its view as it is made; a record goes to ``noted`` once filled (with ``on_filled``, just
+    before it: its buffer may be freed once ``on_filled`` returns; without, after every read)."""
+    seen: dict[int, memoryview] = {}
+    originals = {key: value for key, value in dests.items() if isinstance(key, int)}
+
     def resolving(key: int, value: memoryview | Callable[[], memoryview]) -> Callable[[], memoryview]:
         def make() -> memoryview:
             view = seen[key] = value if isinstance(value, memoryview) else value()
             return view
         return make
 
-    for key, value in list(dests.items()):
-        if isinstance(key, int):
-            dests[key] = resolving(key, value)
-    if on_filled is None:
-        return None
-    inner = on_filled
+    dests.update({key: resolving(key, value) for key, value in originals.items()})
+    if on_filled is not None:
+        inner = on_filled
 
-    def filled(key: Dest) -> None:
-        view = seen.pop(key, None) if isinstance(key, int) else None
+        def filled(key: Dest) -> None:
+            view = seen.pop(key, None) if isinstance(key, int) else None
+            if view is not None:
+                noted(manifest, key, view)  # type: ignore[arg-type]
+            inner(key)
+
+        with _no_noting():
+            read_into(vault, manifest, dests, progress, filled)
+        return
+    with _no_noting():
+        read_into(vault, manifest, dests, progress)
+    for key, original in originals.items():  # every record is filled now
+        view = seen.get(key)
         if view is not None:
-            noted(manifest, key, view)  # type: ignore[arg-type]
-        inner(key)
-    return filled
+            noted(manifest, key, view)
+        dests[key] = original if view is None else view
+
+
+@contextmanager
+def _no_noting() -> Iterator[None]:
+    """:data:`RESTORED` unset for the reads inside (:func:`_read_noting` notes them itself)."""
+    token = RESTORED.set(None)
+    try:
+        yield
+    finally:
+        RESTORED.reset(token)
 
 
 def read_stored(vault: Vault, manifest: Manifest, dests: dict[Dest, memoryview | Callable[[], memoryview]],
